@@ -1,0 +1,35 @@
+"""Shared fixtures: every test leaves no child process behind (hivemind DHT/averager processes, p2pd)."""
+import logging
+import os
+
+import psutil
+import pytest
+
+# One torch thread per process: multi-peer tests run several peers on a 2-core machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
+def _kill_children(timeout: float = 5.0) -> list:
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return children
+
+
+@pytest.fixture(autouse=True)
+def cleanup_children():
+    """Kill whatever a test left running, as hivemind's own test-suite does."""
+    yield
+    leftovers = _kill_children()
+    if leftovers:
+        logging.getLogger(__name__).info("killed %d leftover child processes", len(leftovers))
