@@ -1,0 +1,169 @@
+"""Joining the swarm: network arguments, a persistent signing key, DHT record validators, DHT creation.
+
+Trainers and auxiliary peers both use this module, so every peer validates records the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import hivemind
+from cryptography.hazmat.primitives import serialization
+from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils.crypto import RSAPrivateKey
+
+logger = logging.getLogger(__name__)
+
+
+class NetworkSetupError(RuntimeError):
+    """The peer could not join or start the swarm; the message says how to fix the input."""
+
+
+@dataclass
+class NetworkArguments:
+    """How a peer finds and talks to the swarm (shared by trainers and auxiliary peers)."""
+
+    run_id: str = "leanhive"
+    """Name of the collaboration; every peer of one training run uses the same run_id."""
+    initial_peers: List[str] = field(default_factory=list)
+    """Multiaddrs of peers already in the swarm, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
+    Leave empty to start a new collaboration."""
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    """Multiaddrs to listen on; use a fixed port (e.g. /ip4/0.0.0.0/tcp/31337) behind a firewall."""
+    announce_maddrs: List[str] = field(default_factory=list)
+    """Public multiaddrs other peers should dial (e.g. behind NAT with port forwarding); need explicit ports."""
+    identity_path: Optional[str] = None
+    """Private key file for a stable peer ID (created if missing); a signing key is kept beside it."""
+    client_mode: bool = False
+    """Do not accept incoming connections (for peers behind NAT/firewalls without port forwarding)."""
+    use_ipfs: bool = False
+    """Use the public IPFS DHT to find peers (cannot be combined with initial_peers)."""
+    dht_startup_timeout: float = 60.0
+    """Seconds to wait for the DHT to start and reach the initial peers."""
+
+    def __post_init__(self):
+        if isinstance(self.initial_peers, str):
+            self.initial_peers = self.initial_peers.split()
+        if not self.run_id or any(ch.isspace() for ch in self.run_id) or len(self.run_id) > 128:
+            raise ValueError(f"run_id must be a non-empty name without spaces (at most 128 characters), "
+                             f"got {self.run_id!r}; e.g. --run_id my_gpt_run")
+        for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
+            for addr in getattr(self, name):
+                _check_maddr(name, addr, need_peer_id=name == "initial_peers")
+        for addr in self.announce_maddrs:
+            if addr.rstrip("/").endswith("/tcp/0") or addr.rstrip("/").endswith("/udp/0"):
+                raise ValueError(f"announce_maddrs need an explicit port, got {addr!r}; "
+                                 "e.g. /ip4/203.0.113.7/tcp/31337")
+        if self.use_ipfs and self.initial_peers:
+            raise ValueError("use_ipfs and initial_peers cannot be combined: pass one of them")
+        if self.dht_startup_timeout <= 0:
+            raise ValueError(f"dht_startup_timeout must be positive, got {self.dht_startup_timeout}")
+
+
+def _check_maddr(name: str, addr: str, need_peer_id: bool) -> None:
+    example = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooW..." if need_peer_id else "/ip4/0.0.0.0/tcp/31337"
+    try:
+        from hivemind.utils.multiaddr import Multiaddr
+        parsed = Multiaddr(addr)
+    except Exception as e:
+        raise ValueError(f"{name}: {addr!r} is not a valid multiaddr ({e}); expected e.g. {example}") from None
+    if need_peer_id and "/p2p/" not in str(parsed):
+        raise ValueError(f"{name}: {addr!r} has no /p2p/<peer id> part; copy the full line that the "
+                         f"first peer logs, e.g. {example}")
+
+
+def load_or_create_signing_key(path: Optional[str]) -> RSAPrivateKey:
+    """The RSA key that signs this peer's DHT records; persistent when a path is given.
+
+    Written atomically (temp file + rename) with mode 0600 so a crash never leaves half a key.
+    """
+    if path is None:
+        return RSAPrivateKey()
+    key_path = Path(path)
+    if key_path.exists():
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        try:
+            key._private_key = serialization.load_der_private_key(key_path.read_bytes(), password=None)
+        except Exception as e:
+            raise NetworkSetupError(f"signing key {key_path} is unreadable or corrupt ({e}); move it away "
+                                    "to generate a new one (the peer will get a new metrics identity)") from None
+        return key
+    key = RSAPrivateKey()
+    key_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=key_path.parent, prefix=key_path.name + ".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.to_bytes())
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, key_path)
+    logger.info("Generated a new signing key in %s", key_path)
+    return key
+
+
+def signing_key_path(args: NetworkArguments) -> Optional[str]:
+    """The signing key lives beside the libp2p identity file, so one flag keeps both stable."""
+    return None if args.identity_path is None else args.identity_path + ".rsa"
+
+
+def make_validators(run_id: str, private_key: RSAPrivateKey,
+                    extra: Sequence[RecordValidatorBase] = ()) -> tuple[list, bytes]:
+    """Validators every peer of the run installs: signature check + schema of the metrics key.
+
+    Returns (validators, local_public_key); the public key is the subkey this peer signs records with.
+    """
+    from peer.metrics import MetricsSchema  # local import: metrics imports nothing from here
+
+    signature_validator = RSASignatureValidator(private_key)
+    validators = [SchemaValidator(MetricsSchema, prefix=run_id), signature_validator, *extra]
+    return validators, signature_validator.local_public_key
+
+
+def create_dht(args: NetworkArguments, record_validators: Sequence[RecordValidatorBase],
+               **kwargs) -> hivemind.DHT:
+    """Start a DHT peer, or raise NetworkSetupError that names unreachable peers and suggests fixes."""
+    if args.identity_path is not None:
+        Path(args.identity_path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dht = hivemind.DHT(
+            start=True,
+            initial_peers=args.initial_peers,
+            host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs or None,
+            identity_path=args.identity_path,
+            client_mode=args.client_mode,
+            use_ipfs=args.use_ipfs,
+            record_validators=list(record_validators),
+            startup_timeout=args.dht_startup_timeout,
+            **kwargs,
+        )
+    except Exception as e:
+        text = str(e)
+        if args.initial_peers and ("bootstrap" in text or "initial_peers" in text or "connect" in text.lower()):
+            peers = "\n  ".join(args.initial_peers)
+            raise NetworkSetupError(
+                f"could not reach any of the initial peers:\n  {peers}\n"
+                "Check that the address is copied exactly from the line the first peer logs "
+                "('--initial_peers ...'), that the peer is still running, and that its port is open "
+                "(firewall/NAT). To start a new collaboration instead, omit --initial_peers."
+            ) from None
+        if "already taken" in text:
+            raise NetworkSetupError(f"identity {args.identity_path} is already used by a running peer; "
+                                    "give each peer its own --identity_path") from None
+        raise NetworkSetupError(f"could not start the DHT peer: {text}") from e
+    return dht
+
+
+def initial_peers_line(dht: hivemind.DHT) -> str:
+    """The exact text other peers paste to join, preferring addresses reachable from elsewhere."""
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    public = [m for m in maddrs if not m.startswith(("/ip4/127.", "/ip6/::1"))]
+    return "--initial_peers " + " ".join(public or maddrs)
+
+
+def as_dict(args) -> dict:
+    return dataclasses.asdict(args)
