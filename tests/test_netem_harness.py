@@ -179,7 +179,7 @@ def test_hivemind_dht_through_proxies_partition_and_heal():
         assert dht_a.get(key + "-during", timeout=8) is None, "a partitioned peer must not see new records"
 
         tb.heal(a)
-        # hivemind 1.1.12 evicted the unreachable peer from both routing tables; re-join as a peer would
-        assert dht_a.ping(dht_b.maddrs, timeout=10) == 1
+        # hivemind 1.1.12 evicted and blacklisted the unreachable peer on both sides; re-join as a peer must
+        assert dht_a.rejoin(dht_b.maddrs, timeout=10) == 1
         assert dht_a.get(key + "-during", timeout=10) == "during"
         close_agents([dht_a, dht_b])

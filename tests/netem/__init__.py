@@ -31,8 +31,9 @@ How a scenario test uses it (hivemind peers)::
         tb.partition(tb.hosts[1])   # every proxy cuts host 1, host 1's own proxy cuts everyone
         tb.heal(tb.hosts[1])
 
-Caveat for hivemind 1.1.12: a DHT node evicts peers that fail an RPC from its routing table and never
-re-bootstraps, so after a partition long enough to fail a request, a peer stays isolated until it
-pings its initial peers again (``dht_agent`` shows how: ``node.protocol.call_ping(peer_id)``).
+Caveat for hivemind 1.1.12: a DHT node evicts a peer that fails one RPC from its routing table, bans
+it from searches for 5 s (doubling per failure) and never re-bootstraps, so after a partition that
+failed a request a peer stays isolated until it pings its initial peers again (``dht_agent._rejoin``
+shows how: ``node.protocol.call_ping(peer_id)`` and ``node.blacklist.register_success(peer_id)``).
 """
 # No re-exports: `python -m tests.netem.proxy` would otherwise import itself twice (runpy warning).

@@ -7,8 +7,9 @@ answers one request per stdin line:
 - ``{"op": "store", "key": k, "value": v, "ttl": s}`` -> ``{"ok": bool}``
 - ``{"op": "get", "key": k, "timeout": s}`` -> ``{"found": bool, "value": v}`` (latest=True; a timeout
   counts as not found)
-- ``{"op": "ping", "maddrs": [...]}`` -> ``{"responded": n}``: ping these peers (adding the ones that
-  answer to the routing table), as a peer does to re-join after its table emptied
+- ``{"op": "rejoin", "maddrs": [...]}`` -> ``{"responded": n}``: ping these peers and put the ones that
+  answer back into the routing table and off the search blacklist, as a peer must do to re-join after
+  a partition (hivemind 1.1.12 does not re-bootstrap by itself)
 - ``{"op": "routing_table"}`` -> ``{"peers": [peer ids]}``
 
 The test-side wrapper is :class:`DHTAgent`.
@@ -33,7 +34,11 @@ logger = logging.getLogger(__name__)
 MODULE = "tests.netem.dht_agent"
 
 
-async def _ping(_dht, node, maddrs: List[str]) -> int:
+async def _rejoin(_dht, node, maddrs: List[str]) -> int:
+    """Ping these peers; the ones that answer go back into the routing table and off the blacklist.
+
+    hivemind 1.1.12 drops a peer from the routing table after one failed RPC and bans it from searches
+    for 5 s (doubling per failure), and never re-bootstraps on its own."""
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
@@ -41,6 +46,8 @@ async def _ping(_dht, node, maddrs: List[str]) -> int:
     for maddr in maddrs:
         peer_id = PeerID.from_base58(Multiaddr(maddr)["p2p"])
         if await node.protocol.call_ping(peer_id) is not None:
+            if peer_id in node.blacklist:
+                node.blacklist.register_success(peer_id)
             responded += 1
     return responded
 
@@ -62,12 +69,12 @@ def _handle(dht, request: Dict[str, Any]) -> Dict[str, Any]:
         if op == "get":
             result = dht.get(request["key"], latest=True, return_future=True).result(timeout)
             return {"found": result is not None, "value": None if result is None else result.value}
-        if op == "ping":
-            ping = functools.partial(_ping, maddrs=request["maddrs"])  # picklable, unlike a lambda
-            return {"responded": dht.run_coroutine(ping, return_future=True).result(timeout)}
+        if op == "rejoin":
+            rejoin = functools.partial(_rejoin, maddrs=request["maddrs"])  # picklable, unlike a lambda
+            return {"responded": dht.run_coroutine(rejoin, return_future=True).result(timeout)}
         if op == "routing_table":
             return {"peers": dht.run_coroutine(_routing_table, return_future=True).result(timeout)}
-        return {"error": f"unknown op {op!r}; valid: store, get, ping, routing_table"}
+        return {"error": f"unknown op {op!r}; valid: store, get, rejoin, routing_table"}
     except concurrent.futures.TimeoutError:
         return {"timeout": True}
     except Exception as e:  # reported to the test instead of killing the agent
@@ -121,9 +128,10 @@ class DHTAgent:
         response = self._call("get", timeout, key=key)
         return response["value"] if response.get("found") else None
 
-    def ping(self, maddrs: Sequence[str], timeout: float = 10) -> int:
-        """How many of these peers answered a DHT ping (they are added to the routing table)."""
-        return self._call("ping", timeout, maddrs=list(maddrs)).get("responded", 0)
+    def rejoin(self, maddrs: Sequence[str], timeout: float = 10) -> int:
+        """Ping these peers as a re-bootstrapping peer would; returns how many answered (those are back
+        in the routing table and no longer blacklisted)."""
+        return self._call("rejoin", timeout, maddrs=list(maddrs)).get("responded", 0)
 
     def routing_table(self, timeout: float = 10) -> List[str]:
         return self._call("routing_table", timeout)["peers"]
