@@ -1,7 +1,8 @@
 """Fault injection for tests, driven by environment variables (no CLI flag: users never need it).
 
 - ``LEANHIVE_FAULT_NAN_GRAD_STEPS=3,4``: after backward at these local steps, one gradient becomes NaN.
-- ``LEANHIVE_FAULT_NAN_PARAM_EPOCHS=2``: right after reaching these global epochs, one parameter becomes NaN.
+- ``LEANHIVE_FAULT_NAN_PARAM_EPOCHS=2``: the first time the peer reaches these global epochs, one parameter
+  becomes NaN.
 """
 from __future__ import annotations
 
@@ -39,8 +40,12 @@ def maybe_corrupt_gradients(model: torch.nn.Module, local_step: int) -> None:
             grad.view(-1)[0] = float("nan")
 
 
+_corrupted_epochs = set()  # a recovered peer reaches the same epoch again: inject only once
+
+
 @torch.no_grad()
 def maybe_corrupt_parameters(model: torch.nn.Module, global_epoch: int) -> None:
-    if global_epoch in _numbers(NAN_PARAM_EPOCHS_ENV):
+    if global_epoch in _numbers(NAN_PARAM_EPOCHS_ENV) and global_epoch not in _corrupted_epochs:
+        _corrupted_epochs.add(global_epoch)
         logger.warning("FAULT INJECTION: NaN parameter at global epoch %d", global_epoch)
         _first_tensor(model, "data").view(-1)[0] = float("nan")

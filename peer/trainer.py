@@ -22,7 +22,13 @@ from hivemind.utils import get_dht_time
 
 from peer import backup, faults
 from peer.arguments import CollaborationArguments, OptimizerArguments, TrainingArguments
-from peer.collaboration import LeanHiveOptimizer, build_optimizer, join_swarm, wait_for_swarm
+from peer.collaboration import (
+    LeanHiveOptimizer,
+    build_optimizer,
+    count_other_state_sharing_peers,
+    join_swarm,
+    wait_for_swarm,
+)
 from peer.data import DataArguments, SequenceLengthSchedule, build_train_dataset, load_tokenizer, make_batches
 from peer.metrics import LocalMetrics, publish_metrics
 from peer.model_setup import Placement, build_model, choose_placement
@@ -224,7 +230,8 @@ class TrainerPeer:
                     stats.skipped_steps, new_epoch, self.optimizer.opt.param_groups[0]["lr"])
         self._publish(stats)
         faults.maybe_corrupt_parameters(self.model, new_epoch)
-        self._check_parameters()
+        if not self._parameters_ok():
+            return
         every = self.config.training.backup_every_epochs
         if every and new_epoch % every == 0:
             backup.save_backup(self.config.training.output_dir, self.model, self.optimizer)
@@ -239,18 +246,22 @@ class TrainerPeer:
         publish_metrics(self.dht, self.config.network.run_id, self.public_key, metrics,
                         expiration=self.config.collaboration.metrics_expiration)
 
-    def _check_parameters(self) -> None:
-        """After an update: NaN/inf parameters are replaced from the local backup or the swarm."""
+    def _parameters_ok(self) -> bool:
+        """After an update: NaN/inf parameters are replaced from the swarm or the local backup (False then)."""
         if backup.all_finite(self.model.parameters()):
-            return
+            return True
         logger.error("Parameters became NaN/inf after the update at epoch %d; recovering", self.optimizer.local_epoch)
+        # peers online are ahead of any local backup, so they are asked first
+        if self.optimizer.tracker.global_progress.num_peers > 1 or count_other_state_sharing_peers(
+                self.dht, self.config.network.run_id):
+            if self.optimizer.load_state_checked() and backup.all_finite(self.model.parameters()):
+                logger.info("Recovered by loading the swarm's state (global epoch %d)", self.optimizer.local_epoch)
+                return False
         if backup.load_backup(self.config.training.output_dir, self.model, self.optimizer):
-            logger.info("Recovered from the local backup")
-        elif self.optimizer.load_state_checked() and backup.all_finite(self.model.parameters()):
-            logger.info("Recovered by loading the swarm's state")
-        else:
-            raise RuntimeError("parameters are NaN/inf and neither a local backup nor a peer's state could "
-                               "replace them; restart the peer with a healthy --output_dir backup or peers online")
+            logger.info("Recovered from the local backup (global epoch %d)", self.optimizer.local_epoch)
+            return False
+        raise RuntimeError("parameters are NaN/inf and neither the swarm's state nor a local backup could "
+                           "replace them; restart the peer with peers online or a healthy --output_dir backup")
 
     # ---------------------------------------------------------------------------------- shutdown
 

@@ -143,7 +143,7 @@ def test_nan_gradients_and_parameters_are_survived(tmp_path, swarm):
     assert "FAULT INJECTION: NaN gradient at local step 3" in log
     assert "Skipping local step 9: NaN/inf loss or gradients (3 skipped so far)" in log
     assert "FAULT INJECTION: NaN parameter at global epoch 4" in log
-    assert "Restored the local backup" in log
+    assert "Recovered by loading the swarm's state" in log
     for name in ("a", "faulty"):
         params = final_params(tmp_path / name)
         assert all(torch.isfinite(t).all() for t in params.values()), f"{name} ended with NaN/inf parameters"
@@ -151,14 +151,24 @@ def test_nan_gradients_and_parameters_are_survived(tmp_path, swarm):
     assert max_param_difference([tmp_path / "a", tmp_path / "faulty"]) <= 1e-6
 
 
-@pytest.mark.timeout(180)
-def test_sigterm_finishes_step_writes_backup_and_exits_zero(tmp_path, swarm):
-    peer = start_trainer(tmp_path, "a", "term")
+@pytest.mark.timeout(240)
+def test_lone_peer_recovers_from_backup_stops_on_sigterm_and_resumes(tmp_path, swarm):
+    """Alone, NaN parameters come back from the local backup; SIGTERM: backup, exit 0; a restart resumes."""
+    peer = start_trainer(tmp_path, "a", "term", env={NAN_PARAM_EPOCHS_ENV: "3"},
+                         extra=["--backup_every_epochs", "2"])
     swarm.append(peer)
-    peer.wait_for(r"Global epoch 1 done", timeout=STARTUP)
+    peer.wait_for(r"Recovered from the local backup \(global epoch 2\)", timeout=STARTUP)
+    peer.wait_for(r"Global epoch 4 done", timeout=60)
     assert peer.stop(signal.SIGTERM, timeout=30) == 0
     log = peer.log()
-    assert "Received SIGTERM" in log and "Shut down cleanly" in log
-    assert (tmp_path / "a" / "backup.pt").exists()
+    assert "Received SIGTERM" in log and "Leaving the swarm" in log and "Shut down cleanly" in log
     assert not peer.wait_until_gone(timeout=10)
-    assert math.isfinite(max(epoch_losses(log).values()))
+    stopped_at = final_epoch(tmp_path / "a")
+    assert stopped_at >= 5
+
+    again = start_trainer(tmp_path, "a", "term", extra=["--max_epochs", str(stopped_at + 1)])
+    swarm.append(again)
+    again.wait_for(rf"Restored the local backup from .* \(global epoch {stopped_at}\)", timeout=STARTUP)
+    assert again.wait(timeout=120) == 0
+    assert final_epoch(tmp_path / "a") == stopped_at + 1
+    assert math.isfinite(max(epoch_losses(again.log()).values()))

@@ -172,3 +172,15 @@ def kill_all(peers: Iterable[PeerProcess]) -> None:
     for peer in peers:
         if peer.process is not None:
             peer.kill_tree()
+
+
+def share_tensors_by_file_descriptor() -> None:
+    """For tests that run hivemind in the pytest process itself.
+
+    hivemind switches torch to the 'file_system' sharing strategy, which relies on a torch_shm_manager
+    child process; the suite's autouse fixture kills every child after each test, so the next test's
+    MPFutures would fail with 'Broken pipe'. The 'file_descriptor' strategy needs no helper process.
+    """
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
