@@ -41,6 +41,7 @@ class PeerStats:
     epoch: int  # last epoch it reported
     samples_total: int  # samples it contributed since we first saw it (survives its restarts)
     samples_per_second: float
+    loss: Optional[float]  # its mean micro-step loss in the last epoch it reported (None if no steps)
     last_seen: float  # DHT time of its latest record
     alive: bool
 
@@ -145,6 +146,7 @@ class MetricsAggregator:
             alive = now - r.time <= self.alive_window
             peers.append(PeerStats(peer=name, epoch=r.epoch, samples_total=track.samples_before_restarts + r.samples_total,
                                    samples_per_second=r.samples_per_second if alive else 0.0,
+                                   loss=r.loss / r.mini_steps if r.mini_steps else None,
                                    last_seen=r.time, alive=alive))
         peers.sort(key=lambda p: (-p.samples_total, p.peer))
         epochs = tuple(summarize_epoch(e, table.values()) for e, table in self._by_epoch.items())

@@ -61,7 +61,7 @@ PAGE = r"""<!DOCTYPE html>
     </table>
   </section>
   <section class="card"><h2>Contributors</h2>
-    <table id="leaderboard"><thead><tr><th>#</th><th>peer</th><th class="n">samples</th><th class="n">samples/s</th><th class="n">epoch</th></tr></thead><tbody></tbody></table>
+    <table id="leaderboard"><thead><tr><th>#</th><th>peer</th><th class="n">samples</th><th class="n">samples/s</th><th class="n">loss</th><th class="n">epoch</th></tr></thead><tbody></tbody></table>
   </section>
   <section class="card"><h2>Join this swarm</h2>
     <p>Start a trainer with:</p>
@@ -141,7 +141,8 @@ function render(state) {
     row.dataset.samples = String(p.samples_total);
     if (!p.alive) row.className = "dead";
     for (const [text, numeric] of [[String(i + 1), false], [p.peer, false], [fmt(p.samples_total, 0), true],
-                                   [p.alive ? fmt(p.samples_per_second, 1) : "offline", true], [String(p.epoch), true]]) {
+                                   [p.alive ? fmt(p.samples_per_second, 1) : "offline", true], [fmt(p.loss, 4), true],
+                                   [String(p.epoch), true]]) {
       const cell = document.createElement("td");
       cell.textContent = text;
       if (numeric) cell.className = "n";

@@ -41,6 +41,7 @@ def test_snapshot_aggregates_newest_epoch_and_completes_it_across_refreshes():
     assert snap.loss == pytest.approx(3.0)
     assert [p.peer for p in snap.peers] == [peer_label(A), peer_label(B)]  # leaderboard: most samples first
     assert [p.samples_total for p in snap.peers] == [160, 106]
+    assert [p.loss for p in snap.peers] == [pytest.approx(4.0), pytest.approx(2.0)]
     assert [t.alive_peers for t in snap.timeline] == [2, 2]
 
 
