@@ -1,0 +1,171 @@
+"""Turn the trainers' per-peer metrics records into swarm-wide numbers, per global epoch.
+
+Each refresh the aux peer reads ``<run_id>_metrics``: one record per trainer, holding that trainer's
+numbers for the last epoch it finished. Records are merged into a per-epoch table, so an epoch's
+numbers get completed as slower peers publish theirs, and into a per-peer table (the leaderboard).
+Pure bookkeeping: no DHT, no clock (the caller passes ``now``), so it is unit-tested on plain lists.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, Iterable, Mapping, Optional, Tuple
+
+from peer.metrics import LocalMetrics
+
+
+def peer_label(subkey: bytes) -> str:
+    """A short stable name for a trainer: a fingerprint of the public key that signs its records."""
+    return "peer-" + hashlib.sha256(subkey).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    """Swarm-wide numbers of one global epoch."""
+
+    epoch: int
+    loss: float  # sum of the peers' micro-step losses / sum of their micro-steps (nan if no steps)
+    peers: int  # peers that reported this epoch
+    samples: int  # samples the swarm accumulated in this epoch
+    samples_per_second: float  # sum of the reporting peers' throughput
+    time: float  # DHT time of the latest report for this epoch
+
+
+@dataclass(frozen=True)
+class PeerStats:
+    """One trainer's standing (a row of the contributor leaderboard)."""
+
+    peer: str
+    epoch: int  # last epoch it reported
+    samples_total: int  # samples it contributed since we first saw it (survives its restarts)
+    samples_per_second: float
+    loss: Optional[float]  # its mean micro-step loss in the last epoch it reported (None if no steps)
+    last_seen: float  # DHT time of its latest record
+    alive: bool
+
+
+@dataclass(frozen=True)
+class TimePoint:
+    """One refresh of the monitor, for the "over time" charts."""
+
+    time: float
+    alive_peers: int
+    samples_per_second: float
+    global_epoch: Optional[int]
+
+
+@dataclass(frozen=True)
+class SwarmSnapshot:
+    """Everything the exporter and the dashboard show, as of one refresh."""
+
+    time: float  # DHT time of the refresh
+    global_epoch: Optional[int]  # newest epoch any peer reported; None before the first report
+    alive_peers: int
+    loss: Optional[float]  # loss of the newest epoch with micro-steps
+    samples_per_second: float  # sum over alive peers of their latest throughput
+    samples_total: int  # samples contributed by every peer ever seen
+    peers: Tuple[PeerStats, ...]  # leaderboard, most samples first
+    epochs: Tuple[EpochStats, ...]  # loss curve, oldest epoch first
+    timeline: Tuple[TimePoint, ...]  # one point per refresh, oldest first
+
+    @classmethod
+    def empty(cls, now: float = 0.0) -> "SwarmSnapshot":
+        return cls(time=now, global_epoch=None, alive_peers=0, loss=None, samples_per_second=0.0,
+                   samples_total=0, peers=(), epochs=(), timeline=())
+
+
+def summarize_epoch(epoch: int, records: Iterable[LocalMetrics]) -> EpochStats:
+    """Aggregate the records of one epoch: loss is a micro-step-weighted mean, the rest are sums."""
+    records = list(records)
+    steps = sum(r.mini_steps for r in records)
+    return EpochStats(
+        epoch=epoch,
+        loss=sum(r.loss for r in records) / steps if steps else math.nan,
+        peers=len(records),
+        samples=sum(r.samples_accumulated for r in records),
+        samples_per_second=sum(r.samples_per_second for r in records),
+        time=max((r.time for r in records), default=0.0),
+    )
+
+
+@dataclass
+class _PeerTrack:
+    latest: LocalMetrics
+    samples_before_restarts: int = 0  # samples_total reported before the peer's counter went back to 0
+
+
+@dataclass
+class MetricsAggregator:
+    """Accumulates records across refreshes; ``update`` returns the current ``SwarmSnapshot``."""
+
+    alive_window: float = 120.0
+    """A peer counts as alive if its latest record is at most this many seconds old."""
+    max_epochs: int = 100_000
+    """Epochs kept for the loss curve (oldest dropped first)."""
+    max_timeline: int = 2_000
+    """Refreshes kept for the over-time charts (oldest dropped first)."""
+    _by_epoch: "OrderedDict[int, Dict[str, LocalMetrics]]" = field(default_factory=OrderedDict, repr=False)
+    _peers: Dict[str, _PeerTrack] = field(default_factory=dict, repr=False)
+    _timeline: Deque[TimePoint] = field(default_factory=deque, repr=False)
+
+    def __post_init__(self):
+        if not self.alive_window > 0:
+            raise ValueError(f"alive_window must be positive seconds, got {self.alive_window}")
+        if self.max_epochs < 1 or self.max_timeline < 1:
+            raise ValueError("max_epochs and max_timeline must be at least 1")
+
+    def update(self, records: Mapping[bytes, LocalMetrics], now: float) -> SwarmSnapshot:
+        for subkey, record in records.items():
+            self._merge(peer_label(subkey), record)
+        return self._snapshot(now)
+
+    def _merge(self, peer: str, record: LocalMetrics) -> None:
+        epoch_table = self._by_epoch.get(record.epoch)
+        if epoch_table is None:
+            epoch_table = self._by_epoch[record.epoch] = {}
+            self._by_epoch = OrderedDict(sorted(self._by_epoch.items()))
+            while len(self._by_epoch) > self.max_epochs:
+                self._by_epoch.popitem(last=False)
+        if record.epoch in self._by_epoch:
+            epoch_table[peer] = record
+
+        track = self._peers.get(peer)
+        if track is None:
+            self._peers[peer] = _PeerTrack(latest=record)
+        elif record.time >= track.latest.time:
+            if record.samples_total < track.latest.samples_total:  # the trainer restarted its counter
+                track.samples_before_restarts += track.latest.samples_total
+            track.latest = record
+
+    def _snapshot(self, now: float) -> SwarmSnapshot:
+        peers = []
+        for name, track in self._peers.items():
+            r = track.latest
+            alive = now - r.time <= self.alive_window
+            peers.append(PeerStats(peer=name, epoch=r.epoch, samples_total=track.samples_before_restarts + r.samples_total,
+                                   samples_per_second=r.samples_per_second if alive else 0.0,
+                                   loss=r.loss / r.mini_steps if r.mini_steps else None,
+                                   last_seen=r.time, alive=alive))
+        peers.sort(key=lambda p: (-p.samples_total, p.peer))
+        epochs = tuple(summarize_epoch(e, table.values()) for e, table in self._by_epoch.items())
+        with_steps = [e for e in epochs if not math.isnan(e.loss)]
+        global_epoch = max(self._by_epoch) if self._by_epoch else None
+        alive_peers = sum(p.alive for p in peers)
+        throughput = sum(p.samples_per_second for p in peers)
+        self._timeline.append(TimePoint(time=now, alive_peers=alive_peers, samples_per_second=throughput,
+                                        global_epoch=global_epoch))
+        while len(self._timeline) > self.max_timeline:
+            self._timeline.popleft()
+        return SwarmSnapshot(
+            time=now,
+            global_epoch=global_epoch,
+            alive_peers=alive_peers,
+            loss=with_steps[-1].loss if with_steps else None,
+            samples_per_second=throughput,
+            samples_total=sum(p.samples_total for p in peers),
+            peers=tuple(peers),
+            epochs=epochs,
+            timeline=tuple(self._timeline),
+        )

@@ -1,0 +1,73 @@
+"""The aux peer's own settings (network, collaboration and optimizer settings are the trainers' dataclasses)."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+_HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class AuxArguments:
+    """What the auxiliary peer does: metrics, dashboard, checkpoints, evaluation, upload."""
+
+    model_config: str = "tiny"
+    """Model preset name (configs/model/<name>.json) or JSON path; must be the one the trainers use."""
+    refresh_period: float = 10.0
+    """Seconds between two reads of the trainers' metrics from the DHT."""
+    alive_window: float = 300.0
+    """A trainer counts as online if it reported metrics within this many seconds (more than one epoch)."""
+    metrics_host: str = "0.0.0.0"
+    """Address the HTTP server (Prometheus /metrics and the dashboard) listens on."""
+    metrics_port: int = 9500
+    """Port of the HTTP server: /metrics for Prometheus, / for the dashboard, /api/state as JSON; 0 picks one."""
+    checkpoint_dir: str = "checkpoints"
+    """Folder the swarm's checkpoints are written to (one sub-folder per checkpoint)."""
+    checkpoint_every: int = 10
+    """Download the swarm's state and write a checkpoint every this many global epochs; 0 disables."""
+    keep_checkpoints: int = 3
+    """How many of the newest valid checkpoints to keep; older ones are deleted."""
+    resume: bool = False
+    """At start, load the newest valid checkpoint from checkpoint_dir and offer it to joining trainers."""
+    assist_in_averaging: bool = False
+    """Take part in the trainers' all-reduce rounds (adds this machine's bandwidth; needs a reachable peer)."""
+    assist_refresh: float = 1.0
+    """Seconds between checks for a new averaging round when assist_in_averaging is on."""
+    eval_every: int = 0
+    """Evaluate the swarm's state on the validation split every this many global epochs; 0 disables."""
+    eval_batch_size: int = 8
+    """Sequences per evaluation batch."""
+    eval_max_batches: int = 64
+    """At most this many validation batches per evaluation (bounds the time one evaluation takes)."""
+    upload_to_hub: Optional[str] = None
+    """Hugging Face Hub model repo (user/name) to upload each new checkpoint to; needs HF_TOKEN or a login."""
+
+    def __post_init__(self):
+        def check(ok: bool, message: str):
+            if not ok:
+                raise ValueError(message)
+
+        def positive_number(name: str):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
+                  f"{name} must be a positive number of seconds, got {value!r}")
+
+        check(bool(self.model_config), "model_config must name a preset (e.g. tiny) or a JSON file")
+        positive_number("refresh_period")
+        positive_number("alive_window")
+        positive_number("assist_refresh")
+        check(isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
+              f"metrics_port must be a TCP port (0-65535; 0 picks a free one), got {self.metrics_port!r}")
+        check(bool(self.checkpoint_dir), "checkpoint_dir must be a folder path")
+        for name in ("checkpoint_every", "eval_every"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0 (0 disables it), got {value!r}")
+        for name in ("keep_checkpoints", "eval_batch_size", "eval_max_batches"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+        if self.upload_to_hub is not None:
+            check(bool(_HUB_REPO.match(self.upload_to_hub)),
+                  f"upload_to_hub must be a Hub repo id like my-org/leanhive-gpt, got {self.upload_to_hub!r}")
+            check(self.checkpoint_every > 0, "upload_to_hub uploads checkpoints: set --checkpoint_every > 0")

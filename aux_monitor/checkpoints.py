@@ -1,0 +1,261 @@
+"""Checkpoint directories of the swarm's state: atomic writes, verification, rotation, resume.
+
+A checkpoint is a directory ``epoch_000012/`` holding the model (``save_pretrained``, so
+``from_pretrained`` loads it), ``optimizer.pt``, ``scheduler.pt`` (if any) and ``leanhive_checkpoint.json``
+(epoch, loss, time, and a SHA-256 of every file). It is written under a temporary name, loaded back
+and compared with the state it came from, and only then renamed into place, so a crash or a bad
+write never leaves something that looks like a checkpoint. Rotation deletes only checkpoints that
+verify and are older than the ``keep`` newest verified ones: a damaged checkpoint is reported and
+left in place for a human to inspect, never deleted and never overwritten.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Type
+
+import torch
+from transformers import PreTrainedModel
+
+from aux_monitor.state import CheckpointInfo
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "leanhive_checkpoint.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^epoch_(\d{6,})(?:\.(\d+))?$")
+_TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing files, damaged, or does not match the model."""
+
+
+@dataclass
+class TrainingState:
+    """The swarm's state at one epoch: what a checkpoint stores and what a resume restores."""
+
+    model: PreTrainedModel
+    optimizer_state: dict  # torch.optim.Optimizer.state_dict() of the swarm's optimizer
+    scheduler_state: Optional[dict]  # LR scheduler state_dict, None if the run has no scheduler
+    epoch: int  # global epoch the state belongs to
+    loss: Optional[float]  # swarm training loss at that epoch, if known
+    time: float  # unix time the state was taken
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    path: Path
+    state: TrainingState
+
+    def info(self) -> CheckpointInfo:
+        return CheckpointInfo(epoch=self.state.epoch, time=self.state.time, path=str(self.path),
+                              loss=self.state.loss)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in directory.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sort_key(path: Path):
+    match = _NAME.match(path.name)
+    return int(match.group(1)), int(match.group(2) or 0)
+
+
+class CheckpointManager:
+    """Writes, verifies, lists, rotates and loads the checkpoints in one directory."""
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int, model_class: Type[PreTrainedModel]):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1 (the number of newest checkpoints kept), got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.model_class = model_class
+        self._verified: Dict[str, bool] = {}  # file-level verification results by directory name
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._remove_unfinished_writes()
+
+    # ---------------------------------------------------------------- listing
+    def list_checkpoints(self) -> List[Path]:
+        """Promoted checkpoint directories, newest first (damaged ones included)."""
+        paths = [p for p in self.directory.iterdir() if p.is_dir() and _NAME.match(p.name)]
+        return sorted(paths, key=_sort_key, reverse=True)
+
+    # ---------------------------------------------------------------- writing
+    def save(self, state: TrainingState) -> CheckpointInfo:
+        """Write, verify and promote a checkpoint, then rotate; raises CheckpointError if it does not verify."""
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}epoch_{state.epoch:06d}-", dir=self.directory))
+        try:
+            self._write(tmp, state)
+            loaded = self.load(tmp)
+            _check_same_model(state.model, loaded.state.model)
+            final = self._free_name(state.epoch)
+            os.rename(tmp, final)
+            _fsync_dir(self.directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._verified[final.name] = True
+        logger.info("Saved checkpoint of epoch %d to %s", state.epoch, final)
+        self.rotate()
+        return CheckpointInfo(epoch=state.epoch, time=state.time, path=str(final), loss=state.loss)
+
+    def _write(self, directory: Path, state: TrainingState) -> None:
+        state.model.save_pretrained(directory)
+        torch.save(state.optimizer_state, directory / OPTIMIZER_FILE)
+        if state.scheduler_state is not None:
+            torch.save(state.scheduler_state, directory / SCHEDULER_FILE)
+        manifest = dict(
+            format=FORMAT_VERSION,
+            epoch=state.epoch,
+            loss=state.loss if state.loss is not None and math.isfinite(state.loss) else None,
+            time=state.time,
+            model_class=type(state.model).__name__,
+            files={p.name: _sha256(p) for p in sorted(directory.iterdir())},
+        )
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        _fsync_tree(directory)
+
+    def _free_name(self, epoch: int) -> Path:
+        """``epoch_000012``, or ``epoch_000012.1`` etc. if a (possibly damaged) one already exists."""
+        path, suffix = self.directory / f"epoch_{epoch:06d}", 0
+        while path.exists():
+            suffix += 1
+            path = self.directory / f"epoch_{epoch:06d}.{suffix}"
+        return path
+
+    # ---------------------------------------------------------------- verifying and loading
+    def verify_files(self, path: Path) -> None:
+        """Cheap check: the manifest parses and every file it lists is present with its checksum."""
+        manifest = _read_manifest(path)
+        files = manifest.get("files")
+        if not isinstance(files, dict) or "config.json" not in files or OPTIMIZER_FILE not in files:
+            raise CheckpointError(f"{path / MANIFEST} lists no model/optimizer files")
+        for name, digest in files.items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{file} is missing")
+            if _sha256(file) != digest:
+                raise CheckpointError(f"{file} does not match its checksum (damaged or modified)")
+
+    def load(self, path: str | os.PathLike) -> LoadedCheckpoint:
+        """Fully load a checkpoint (model, optimizer, scheduler, metadata); raises CheckpointError."""
+        path = Path(path)
+        self.verify_files(path)
+        manifest = _read_manifest(path)
+        try:
+            model, info = self.model_class.from_pretrained(path, output_loading_info=True)
+        except Exception as e:
+            raise CheckpointError(f"the model in {path} does not load: {e}") from e
+        problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if problems:
+            raise CheckpointError(f"the model in {path} does not match {self.model_class.__name__}: {problems}")
+        try:
+            optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+            scheduler_file = path / SCHEDULER_FILE
+            scheduler_state = (torch.load(scheduler_file, map_location="cpu", weights_only=True)
+                               if scheduler_file.exists() else None)
+        except Exception as e:
+            raise CheckpointError(f"the optimizer/scheduler state in {path} does not load: {e}") from e
+        epoch, loss, taken = manifest.get("epoch"), manifest.get("loss"), manifest.get("time")
+        if not isinstance(epoch, int) or epoch < 0 or not isinstance(taken, (int, float)):
+            raise CheckpointError(f"{path / MANIFEST} has no valid epoch/time")
+        return LoadedCheckpoint(path=path, state=TrainingState(
+            model=model, optimizer_state=optimizer_state, scheduler_state=scheduler_state,
+            epoch=epoch, loss=loss, time=float(taken)))
+
+    def load_newest_valid(self) -> Optional[LoadedCheckpoint]:
+        """The newest checkpoint that loads; damaged ones are logged and skipped (never deleted)."""
+        for path in self.list_checkpoints():
+            try:
+                loaded = self.load(path)
+            except CheckpointError as e:
+                self._verified[path.name] = False
+                logger.error("Checkpoint %s is corrupt and will not be used (%s); trying an older one. "
+                             "It is left in place for inspection.", path, e)
+                continue
+            self._verified[path.name] = True
+            return loaded
+        return None
+
+    # ---------------------------------------------------------------- rotation
+    def rotate(self) -> List[Path]:
+        """Delete verified checkpoints older than the ``keep`` newest verified ones; returns what was deleted."""
+        kept, deleted = 0, []
+        for path in self.list_checkpoints():
+            if not self._files_ok(path):
+                continue
+            if kept < self.keep:
+                kept += 1
+                continue
+            shutil.rmtree(path)
+            self._verified.pop(path.name, None)
+            deleted.append(path)
+            logger.info("Deleted old checkpoint %s (keeping the %d newest)", path, self.keep)
+        return deleted
+
+    def _files_ok(self, path: Path) -> bool:
+        if path.name not in self._verified:
+            try:
+                self.verify_files(path)
+                self._verified[path.name] = True
+            except CheckpointError as e:
+                self._verified[path.name] = False
+                logger.warning("Checkpoint %s is damaged (%s); it is not counted and not deleted", path, e)
+        return self._verified[path.name]
+
+    def _remove_unfinished_writes(self) -> None:
+        for path in self.directory.iterdir():
+            if path.name.startswith(_TMP_PREFIX):
+                logger.warning("Removing %s: an unfinished checkpoint write (never promoted)", path)
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {MANIFEST} (not a finished LeanHive checkpoint)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / MANIFEST} is unreadable: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path / MANIFEST} is not a format-{FORMAT_VERSION} LeanHive manifest")
+    return manifest
+
+
+def _check_same_model(expected: PreTrainedModel, loaded: PreTrainedModel) -> None:
+    want, got = expected.state_dict(), loaded.state_dict()
+    if want.keys() != got.keys():
+        raise CheckpointError(f"the written model has different tensors: {sorted(set(want) ^ set(got))[:5]}")
+    for name, tensor in want.items():
+        if not torch.equal(tensor.detach().cpu(), got[name]):
+            raise CheckpointError(f"the written model differs from the swarm state in {name}")

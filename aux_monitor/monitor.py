@@ -1,0 +1,126 @@
+"""The aux peer's periodic work: read metrics, and when due, take the swarm's state to checkpoint/evaluate/upload.
+
+Every part it drives (DHT, replica, checkpoint manager, uploader, validation set) is built and shut down
+by the entry point; this class only decides what to do at each refresh.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional, Sequence
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from aux_monitor.aggregation import MetricsAggregator
+from aux_monitor.arguments import AuxArguments
+from aux_monitor.checkpoints import CheckpointError, CheckpointManager
+from aux_monitor.evaluation import evaluate
+from aux_monitor.hub import HubUploader
+from aux_monitor.replica import SwarmReplica
+from aux_monitor.state import StateHolder
+from peer.metrics import fetch_metrics
+
+logger = logging.getLogger(__name__)
+
+
+def is_due(epoch: int, last_done: Optional[int], every: int) -> bool:
+    """True when ``epoch`` has crossed a multiple of ``every`` since ``last_done`` (or nothing was done yet)."""
+    if every <= 0 or epoch <= 0:
+        return False
+    return last_done is None or epoch // every > last_done // every
+
+
+class AuxMonitor:
+    def __init__(self, *, dht: hivemind.DHT, run_id: str, args: AuxArguments, holder: StateHolder,
+                 replica: SwarmReplica, checkpoints: Optional[CheckpointManager] = None,
+                 uploader: Optional[HubUploader] = None, validation: Optional[Sequence[dict]] = None):
+        self.dht, self.run_id, self.args, self.holder = dht, run_id, args, holder
+        self.replica, self.checkpoints, self.uploader, self.validation = replica, checkpoints, uploader, validation
+        self.aggregator = MetricsAggregator(alive_window=args.alive_window)
+        self.last_checkpoint_epoch: Optional[int] = None
+        self.last_eval_epoch: Optional[int] = None
+        if (args.eval_every > 0) != (validation is not None):
+            raise ValueError("pass a validation set exactly when eval_every > 0")
+
+    # ------------------------------------------------------------------ resume
+    def resume(self) -> bool:
+        """Load the newest valid checkpoint into the replica and offer it to joining trainers."""
+        loaded = self.checkpoints.load_newest_valid()
+        if loaded is None:
+            logger.warning("--resume: no valid checkpoint in %s; waiting for the trainers' state instead",
+                           self.checkpoints.directory)
+            return False
+        self.replica.restore(loaded.state)
+        self.last_checkpoint_epoch = loaded.state.epoch
+        self.holder.update(checkpoint=loaded.info())
+        logger.info("Resumed from %s (epoch %d)", loaded.path, loaded.state.epoch)
+        return True
+
+    # ------------------------------------------------------------------ one refresh
+    def refresh(self) -> None:
+        records = fetch_metrics(self.dht, self.run_id, timeout=max(5.0, self.args.refresh_period))
+        snapshot = self.aggregator.update(records, now=get_dht_time())
+        self.holder.update(swarm=snapshot)
+        if snapshot.global_epoch is not None:
+            logger.info("Epoch %d: %d peers online, loss %s, %.1f samples/s", snapshot.global_epoch,
+                        snapshot.alive_peers, "n/a" if snapshot.loss is None else f"{snapshot.loss:.4f}",
+                        snapshot.samples_per_second)
+
+        epoch = max(self.replica.swarm_epoch, snapshot.global_epoch or 0)
+        want_checkpoint = self.checkpoints is not None and is_due(epoch, self.last_checkpoint_epoch,
+                                                                  self.args.checkpoint_every)
+        want_eval = is_due(epoch, self.last_eval_epoch, self.args.eval_every)
+        if not (want_checkpoint or want_eval):
+            return
+        held = self.replica.held_epoch
+        if held is None or held < epoch:
+            held = self.replica.download()
+            if held is None:
+                logger.warning("No trainer sent the swarm's state (epoch %d); trying again at the next refresh", epoch)
+                return
+            logger.info("Downloaded the swarm's state of epoch %d", held)
+        if want_checkpoint and is_due(held, self.last_checkpoint_epoch, self.args.checkpoint_every):
+            self._checkpoint(loss=snapshot.loss)
+        if want_eval and is_due(held, self.last_eval_epoch, self.args.eval_every):
+            self._evaluate()
+
+    def _checkpoint(self, loss: Optional[float]) -> None:
+        state = self.replica.capture(loss=loss, taken_at=time.time())
+        try:
+            info = self.checkpoints.save(state)
+        except CheckpointError as e:
+            logger.error("The checkpoint of epoch %d did not verify and was not promoted (%s); "
+                         "the previous checkpoints are untouched", state.epoch, e)
+            return
+        self.last_checkpoint_epoch = state.epoch
+        self.holder.update(checkpoint=info)
+        if self.uploader is not None:
+            self.uploader.submit(info)
+
+    def _evaluate(self) -> None:
+        epoch = self.replica.held_epoch
+        result = evaluate(self.replica.model, self.validation, epoch=epoch, batch_size=self.args.eval_batch_size,
+                          max_batches=self.args.eval_max_batches)
+        self.last_eval_epoch = epoch
+        self.holder.update(evaluation=result)
+
+    # ------------------------------------------------------------------ loops
+    def run(self, stop: threading.Event) -> None:
+        """Refresh every refresh_period until ``stop`` is set; a failed refresh is logged and retried."""
+        while True:
+            try:
+                self.refresh()
+            except Exception:
+                logger.exception("Refresh failed; retrying in %.1f s", self.args.refresh_period)
+            if stop.wait(self.args.refresh_period):
+                return
+
+    def run_assist(self, stop: threading.Event) -> None:
+        """Join the trainers' averaging rounds (the auxiliary optimizer's step) until ``stop`` is set."""
+        while not stop.wait(self.args.assist_refresh):
+            try:
+                self.replica.assist_step()
+            except Exception:
+                logger.exception("Assisting in averaging failed; trying again")
