@@ -46,6 +46,12 @@ class NetworkArguments:
     """Use the public IPFS DHT to find peers (cannot be combined with initial_peers)."""
     dht_startup_timeout: float = 60.0
     """Seconds to wait for the DHT to start and reach the initial peers."""
+    rejoin_period: float = 5.0
+    """Seconds between checks that re-contact lost peers (hivemind does not re-join the swarm by itself after
+    a network fault); 0 disables them."""
+    isolation_grace: float = 60.0
+    """A trainer cut off from every peer pauses up to this many seconds before training on alone, so that it
+    does not run ahead of the swarm; 0 never pauses."""
 
     def __post_init__(self):
         if isinstance(self.initial_peers, str):
@@ -64,6 +70,9 @@ class NetworkArguments:
             raise ValueError("use_ipfs and initial_peers cannot be combined: pass one of them")
         if self.dht_startup_timeout <= 0:
             raise ValueError(f"dht_startup_timeout must be positive, got {self.dht_startup_timeout}")
+        if not (self.rejoin_period >= 0 and self.isolation_grace >= 0):
+            raise ValueError(f"rejoin_period and isolation_grace must be zero or positive seconds, got "
+                             f"{self.rejoin_period} and {self.isolation_grace}")
 
 
 def _check_maddr(name: str, addr: str, need_peer_id: bool) -> None:

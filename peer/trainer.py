@@ -40,6 +40,7 @@ from peer.network import (
     make_validators,
     signing_key_path,
 )
+from peer.watchdog import DHTWatchdog, start_watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class TrainerPeer:
         self.config = config
         self.stop_requested = threading.Event()
         self.dht: Optional[hivemind.DHT] = None
+        self.watchdog: Optional[DHTWatchdog] = None
         self.optimizer: Optional[LeanHiveOptimizer] = None
         self.model: Optional[torch.nn.Module] = None
         self.placement: Optional[Placement] = None
@@ -104,6 +106,7 @@ class TrainerPeer:
         signing_key = load_or_create_signing_key(signing_key_path(net))
         validators, self.public_key = make_validators(net.run_id, signing_key)
         self.dht = create_dht(net, validators)
+        self.watchdog = start_watchdog(self.dht, net)
         logger.info("To join this collaboration, run peers with:\n%s --run_id %s",
                     initial_peers_line(self.dht), net.run_id)
 
@@ -158,6 +161,8 @@ class TrainerPeer:
             if max_epochs is not None and self.optimizer.local_epoch >= max_epochs:
                 logger.info("Reached max_epochs=%d: stopping", max_epochs)
                 break
+            if self.watchdog is not None:
+                self.watchdog.wait_while_isolated(self.stop_requested)
             epoch_before = self.optimizer.local_epoch
             self._train_step(stats)
             if self.optimizer.local_epoch != epoch_before:
@@ -286,6 +291,8 @@ class TrainerPeer:
         if self.optimizer is not None:
             logger.info("Leaving the swarm")
             self.optimizer.shutdown()
+        if self.watchdog is not None:
+            self.watchdog.shutdown()
         if self.dht is not None:
             self.dht.shutdown()
         logger.info("Shut down cleanly (%d local steps, %d skipped)", self.local_step, self.skipped_steps_total)
