@@ -21,8 +21,11 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
+from peer import faults
 from peer.arguments import CollaborationArguments, OptimizerArguments
+from peer.auth import AuthorizedAveragerMixin, authorized_peer_ids
 from peer.lamb import CPULamb8Bit
+from peer.robust import RobustAveragingMixin
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +108,18 @@ class _DownloadRecorder(DecentralizedAverager):
         return loaded
 
 
-class CheckedStateAverager(TrainingStateAverager, _DownloadRecorder):
-    """TrainingStateAverager whose super().load_state_from_peers goes through _DownloadRecorder (see MRO)."""
+class CheckedStateAverager(AuthorizedAveragerMixin, RobustAveragingMixin, TrainingStateAverager, _DownloadRecorder):
+    """TrainingStateAverager whose super().load_state_from_peers goes through _DownloadRecorder (see MRO),
+    with an allowlist for its RPCs and bounded contributions (peer.auth, peer.robust)."""
 
     def state_arrived(self) -> bool:
         """True if the last download delivered a state and it was applied (its epoch became ours)."""
         return self.downloaded_epoch is not None and self.local_epoch == self.downloaded_epoch
+
+
+class LeanHiveGradientAverager(AuthorizedAveragerMixin, RobustAveragingMixin, faults.GradientFaultsMixin,
+                               GradientAverager):
+    """GradientAverager with an allowlist for its RPCs, bounded contributions and the tests' fault hooks."""
 
 
 class LeanHiveOptimizer(hivemind.Optimizer):
@@ -138,14 +147,17 @@ class LeanHiveOptimizer(hivemind.Optimizer):
 
 
 def build_optimizer(*, model: torch.nn.Module, dht: hivemind.DHT, run_id: str, signing_key: RSAPrivateKey,
-                    batch_size_per_step: int, collab: CollaborationArguments, optim: OptimizerArguments,
-                    client_mode: bool, reuse_grad_buffers: bool = False) -> LeanHiveOptimizer:
-    """The collaborative optimizer: 8-bit LAMB offloaded to the CPU, averaged across the swarm."""
+                    batch_size_per_step: Optional[int], collab: CollaborationArguments, optim: OptimizerArguments,
+                    client_mode: bool, reuse_grad_buffers: bool = False, auxiliary: bool = False) -> LeanHiveOptimizer:
+    """The collaborative optimizer: 8-bit LAMB offloaded to the CPU, averaged across the swarm.
+
+    ``auxiliary=True`` (aux peers, batch_size_per_step=None): holds and averages the state, never trains."""
     compression = make_compression(collab)
     allreduce_timeout = collab.allreduce_timeout or collab.averaging_timeout
     # averager_opts reach only the state averager; the gradient averager gets the same through its factory
-    averager_opts = dict(request_timeout=collab.request_timeout)
-    grad_averager_factory = partial(GradientAverager, request_timeout=collab.request_timeout)
+    averager_opts = dict(request_timeout=collab.request_timeout, contribution_clip=collab.contribution_clip,
+                         authorized_peers=authorized_peer_ids(dht))
+    grad_averager_factory = partial(LeanHiveGradientAverager, **averager_opts)
     return LeanHiveOptimizer(
         dht=dht,
         run_id=run_id,
@@ -164,6 +176,7 @@ def build_optimizer(*, model: torch.nn.Module, dht: hivemind.DHT, run_id: str, s
         delay_grad_averaging=collab.delay_grad_averaging,
         average_state_every=collab.average_state_every,
         client_mode=client_mode,
+        auxiliary=auxiliary,
         grad_compression=compression,
         grad_averager_factory=grad_averager_factory,
         state_averaging_compression=compression,

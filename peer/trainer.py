@@ -40,7 +40,7 @@ from peer.network import (
     make_validators,
     signing_key_path,
 )
-from peer.watchdog import DHTWatchdog, start_watchdog
+from peer.watchdog import DHTWatchdog, resync_with_swarm, start_watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +161,8 @@ class TrainerPeer:
             if max_epochs is not None and self.optimizer.local_epoch >= max_epochs:
                 logger.info("Reached max_epochs=%d: stopping", max_epochs)
                 break
-            if self.watchdog is not None:
-                self.watchdog.wait_while_isolated(self.stop_requested)
+            if self.watchdog is not None and self.watchdog.wait_while_isolated(self.stop_requested):
+                resync_with_swarm(self.optimizer)
             epoch_before = self.optimizer.local_epoch
             self._train_step(stats)
             if self.optimizer.local_epoch != epoch_before:
@@ -234,6 +234,7 @@ class TrainerPeer:
                     stats.mini_steps, stats.samples, stats.samples_per_second(), stats.steps,
                     stats.skipped_steps, new_epoch, self.optimizer.opt.param_groups[0]["lr"])
         self._publish(stats)
+        faults.maybe_save_parameters(self.model, new_epoch)
         faults.maybe_corrupt_parameters(self.model, new_epoch)
         if not self._parameters_ok():
             return

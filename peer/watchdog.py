@@ -110,14 +110,16 @@ class DHTWatchdog:
         """True while no known peer is in the routing table (a peer that never had one is not isolated)."""
         return self._isolated_since is not None
 
-    def wait_while_isolated(self, stop: threading.Event) -> None:
-        """Block while cut off from every peer, at most ``isolation_grace`` s after the isolation began."""
+    def wait_while_isolated(self, stop: threading.Event) -> bool:
+        """Block while cut off from every peer, at most ``isolation_grace`` s after the isolation began.
+
+        Returns True if it paused and the peer is connected again (time to catch up with the swarm)."""
         since = self._isolated_since
         if since is None or self.isolation_grace == 0:
-            return
+            return False
         remaining = since + self.isolation_grace - time.monotonic()
         if remaining <= 0:
-            return  # this episode's grace is used up: train on alone
+            return False  # this episode's grace is used up: train on alone
         logger.warning("Cut off from every peer: pausing training for up to %.0f s so that this peer does not "
                        "run ahead of the swarm alone", remaining)
         deadline = time.monotonic() + remaining
@@ -126,6 +128,7 @@ class DHTWatchdog:
         if self.isolated and not stop.is_set():
             logger.warning("Still cut off after %.0f s: training on alone (the other peers may have left)",
                            self.isolation_grace)
+        return not self.isolated and not stop.is_set()
 
     # ----------------------------------------------------------------------------------------- loop
 
@@ -185,3 +188,35 @@ def start_watchdog(dht: hivemind.DHT, args) -> Optional[DHTWatchdog]:
         return None
     return DHTWatchdog(dht, args.initial_peers, period=args.rejoin_period,
                        isolation_grace=args.isolation_grace).start()
+
+
+def swarm_epoch(dht: hivemind.DHT, progress_key: str, timeout: float = 10.0) -> Optional[int]:
+    """The largest epoch a (non-client) peer reports now, read fresh from the DHT (None if nobody reports)."""
+    found = dht.get(progress_key, latest=True, return_future=True).result(timeout)
+    if found is None or not isinstance(found.value, dict):
+        return None
+    epochs = [entry.value.get("epoch") for entry in found.value.values()
+              if isinstance(entry.value, dict) and not entry.value.get("client_mode", False)]
+    epochs = [epoch for epoch in epochs if isinstance(epoch, int)]
+    return max(epochs) if epochs else None
+
+
+def resync_with_swarm(optimizer, attempts: int = 3) -> bool:
+    """After an isolation: download the swarm's state until this peer is at the swarm's epoch.
+
+    hivemind lets a peer that is one epoch behind train on with its stale parameters, and a download
+    that finishes just after the swarm's next step leaves the peer exactly there; True once in sync.
+    ``optimizer`` is a ``peer.collaboration.LeanHiveOptimizer``.
+    """
+    for _ in range(attempts):
+        try:
+            epoch = swarm_epoch(optimizer.dht, optimizer.tracker.training_progress_key)
+        except Exception as e:
+            logger.warning("Could not read the swarm's progress after re-joining: %r", e)
+            return False
+        if epoch is None or optimizer.local_epoch >= epoch:
+            return True
+        logger.info("Re-joined at epoch %d while the swarm is at %d: downloading its state",
+                    optimizer.local_epoch, epoch)
+        optimizer.load_state_checked()
+    return False
