@@ -128,14 +128,16 @@ def signing_key_path(args: NetworkArguments) -> Optional[str]:
 
 def make_validators(run_id: str, private_key: RSAPrivateKey,
                     extra: Sequence[RecordValidatorBase] = ()) -> tuple[list, bytes]:
-    """Validators every peer of the run installs: signature check + schema of the metrics key.
+    """Validators every peer of the run installs: record size limit, signature check, schema of the metrics key.
 
     Returns (validators, local_public_key); the public key is the subkey this peer signs records with.
     """
     from peer.metrics import MetricsSchema  # local import: metrics imports nothing from here
 
+    from peer.records import RecordSizeValidator
+
     signature_validator = RSASignatureValidator(private_key)
-    validators = [SchemaValidator(MetricsSchema, prefix=run_id), signature_validator, *extra]
+    validators = [RecordSizeValidator(), SchemaValidator(MetricsSchema, prefix=run_id), signature_validator, *extra]
     return validators, signature_validator.local_public_key
 
 

@@ -8,6 +8,7 @@ replaced by a broken one: must be False).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -343,3 +344,98 @@ def poisoned_gradients(folder: Path, *, epochs: int = 10, scale: float = 1e6) ->
     return ScenarioResult(f"f. NaN/inf gradients + {scale:g}x gradients", survived=_all_checks(details),
                           epochs_lost=0, recover_seconds=None, data_lost=not finite, details=details,
                           seconds=time.monotonic() - started)
+
+
+# ------------------------------------------------------------------------------------------------ g
+
+
+def bad_dht_records(folder: Path) -> ScenarioResult:
+    """g. A hostile node sends honest peers malformed, unsigned, forged and oversized records (raw store RPCs
+    with exactly the bytes it wants); every one must be refused, a valid record accepted, and the honest peers'
+    view (metrics, training progress) unchanged. Real DHT peers on 127.0.0.1, in this process."""
+    import hivemind
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from helpers.peers import share_tensors_by_file_descriptor
+    from peer.metrics import LocalMetrics, fetch_metrics, metrics_key
+    from peer.network import NetworkArguments, create_dht, make_validators
+    from peer.records import MAX_RECORD_BYTES
+    from tests.faults.dht_records import craft, owner_marker, raw_store, signed
+
+    started = time.monotonic()
+    share_tensors_by_file_descriptor()
+    run_id, local = "records", ["/ip4/127.0.0.1/tcp/0"]
+    details: Dict[str, Any] = {}
+    honest_key, other_key = RSAPrivateKey(), RSAPrivateKey()
+    dhts, trackers = [], []
+    try:
+        for index in range(2):
+            validators, _ = make_validators(run_id, honest_key if index == 0 else other_key)
+            peers = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
+            dhts.append(create_dht(NetworkArguments(run_id=run_id, host_maddrs=local, initial_peers=peers,
+                                                    rejoin_period=0), validators))
+        first, second = dhts
+        # the training progress records, validated as every trainer's hivemind.Optimizer does
+        for dht, key in ((first, honest_key), (second, other_key)):
+            trackers.append(ProgressTracker(dht, run_id, target_batch_size=64, private_key=key, start=True))
+        rogue = hivemind.DHT(start=True, host_maddrs=local, initial_peers=[str(a) for a in first.get_visible_maddrs()])
+        dhts.append(rogue)
+
+        metrics = LocalMetrics(epoch=3, samples_per_second=10.0, samples_accumulated=64, loss=33.0, mini_steps=4,
+                               samples_total=640, time=float(get_dht_time())).dict()
+        owner = owner_marker(honest_key)
+        mkey = metrics_key(run_id)
+        fake_progress = dict(peer_id=rogue.peer_id.to_bytes(), epoch=10 ** 6, samples_accumulated=10 ** 6,
+                             samples_per_second=1e6, time=float(get_dht_time()), client_mode=False)
+        genuine = signed(craft(mkey, owner, metrics), honest_key)
+        tampered = signed(craft(mkey, owner, metrics), honest_key)
+        tampered.value = tampered.value.replace(MSGPackSerializer_dumps(metrics),
+                                                MSGPackSerializer_dumps({**metrics, "epoch": 10 ** 6}))
+        cases = {
+            "malformed (signed, loss is a string)": signed(craft(mkey, owner, {**metrics, "loss": "high"}), honest_key),
+            "malformed (signed, extra field)": signed(craft(mkey, owner, {**metrics, "admin": True}), honest_key),
+            "malformed (not msgpack)": signed(craft(mkey, owner, b"\xc1\xff garbage"), honest_key),
+            "unsigned (claims the honest peer's key)": craft(mkey, owner, metrics),
+            "unsigned (no owner key at all)": craft(mkey, b"rogue", metrics),
+            "forged (signed by another key)": signed(craft(mkey, owner, metrics), RSAPrivateKey()),
+            "forged (genuine signature, value changed)": tampered,
+            "forged progress (epoch 10^6, unsigned)": craft(f"{run_id}_progress", owner, fake_progress),
+            "forged progress (epoch 10^6, no owner)": craft(f"{run_id}_progress", b"rogue", fake_progress),
+            "oversized (1 MiB under a free key)": dataclasses.replace(craft(f"{run_id}_junk", None, b"x"),
+                                                                      repeat=2 ** 20),
+            "oversized (20 KiB under the metrics key)": dataclasses.replace(craft(mkey, b"rogue", b"x"),
+                                                                            repeat=20 * 1024),
+        }
+        verdicts = {}
+        for name, record in cases.items():
+            verdicts[name] = [raw_store(rogue, receiver, record) for receiver in (first, second)]
+        details["accepted_by_honest_peers"] = {name: v for name, v in verdicts.items()}
+        details["record_size_limit"] = MAX_RECORD_BYTES
+        _check(details, "every bad record was refused by both honest peers",
+               all(v == [False, False] for v in verdicts.values()))
+        control = [raw_store(rogue, receiver, genuine) for receiver in (first, second)]
+        details["valid record accepted"] = control
+        _check(details, "a valid signed record sent the same way is accepted", control == [True, True])
+        time.sleep(2.0)  # let the trackers fetch progress once more
+        seen = fetch_metrics(second, run_id, timeout=10)
+        details["metrics_seen"] = {str(k)[:24]: v.epoch for k, v in seen.items()}
+        _check(details, "honest peers see only the genuine metrics", [m.epoch for m in seen.values()] == [3])
+        epochs = [tracker.global_epoch for tracker in trackers]
+        details["trackers_global_epoch"] = epochs
+        _check(details, "the swarm's epoch was not inflated", max(epochs) < 10 ** 6)
+    finally:
+        for tracker in trackers:
+            tracker.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+    return ScenarioResult("g. malformed/unsigned/forged/oversized DHT records", survived=_all_checks(details),
+                          epochs_lost=0, recover_seconds=None, data_lost=False, details=details,
+                          seconds=time.monotonic() - started)
+
+
+def MSGPackSerializer_dumps(value) -> bytes:
+    from hivemind.utils import MSGPackSerializer
+
+    return MSGPackSerializer.dumps(value)
