@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import FrozenSet, Optional
 
 import hivemind
+from hivemind.p2p import PeerID
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
@@ -63,7 +64,7 @@ class Allowlist:
                                          f"got {raw.strip()[:80]!r}")
             key = f"{fields[1]} {fields[2]}".encode()
             try:
-                hivemind.PeerID.from_base58(fields[0])
+                PeerID.from_base58(fields[0])
                 RSAPublicKey.from_bytes(key)
             except Exception as e:
                 raise AuthorizationError(f"--authorized_keys {path}, line {number}: not a valid peer ID and RSA "
@@ -133,6 +134,7 @@ class _AllowlistServicer:
 
     def __init__(self, servicer, allowed: FrozenSet[str]):
         self._servicer, self._allowed = servicer, allowed
+        servicer._collect_rpc_handlers()
         self._streaming = {handler.method_name: handler.stream_output for handler in servicer._rpc_handlers}
 
     def __getattr__(self, name: str):

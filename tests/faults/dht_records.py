@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -69,10 +69,11 @@ async def _store(_dht, node, peer: str, key: str, subkey, value: bytes, repeat: 
     return None if result is None else bool(result[0])
 
 
-def raw_store(sender: hivemind.DHT, receiver: hivemind.DHT, record: CraftedRecord, timeout: float = 20.0
-              ) -> Optional[bool]:
-    """Ask ``receiver`` (through ``sender``'s node) to store ``record``; True/False as it answers, None if it
-    refused to answer at all (e.g. an unauthorized sender)."""
-    call = functools.partial(_store, peer=receiver.peer_id.to_base58(), key=record.key, subkey=record.subkey,
+def raw_store(sender: hivemind.DHT, receiver: Union[hivemind.DHT, str], record: CraftedRecord,
+              timeout: float = 20.0) -> Optional[bool]:
+    """Ask ``receiver`` (a DHT or a peer ID) through ``sender``'s node to store ``record``; True/False as it
+    answers, None if it did not answer at all (e.g. to an unauthorized sender)."""
+    peer = receiver if isinstance(receiver, str) else receiver.peer_id.to_base58()
+    call = functools.partial(_store, peer=peer, key=record.key, subkey=record.subkey,
                              value=record.value, repeat=record.repeat, expiration=record.expiration)
     return sender.run_coroutine(call, return_future=True).result(timeout)

@@ -439,3 +439,99 @@ def MSGPackSerializer_dumps(value) -> bytes:
     from hivemind.utils import MSGPackSerializer
 
     return MSGPackSerializer.dumps(value)
+
+
+# ------------------------------------------------------------------------------------------------ h
+
+
+def authorization(folder: Path) -> ScenarioResult:
+    """h. Authorization on (--authorized_keys): a peer without credentials can neither store metrics nor read
+    them, nor download the model state or join averaging; listed peers can. A real trainer process on
+    127.0.0.1, unauthorized trainers that try to join it, and DHT peers in this process."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from helpers.peers import share_tensors_by_file_descriptor
+    from helpers.trainer_swarm import start_trainer
+    from peer.auth import identity_line
+    from peer.metrics import LocalMetrics, fetch_metrics, metrics_key, publish_metrics
+    from peer.network import (NetworkArguments, create_dht, load_or_create_signing_key, make_validators,
+                              signing_key_path)
+    from tests.faults.averaging_probe import probe_averaging
+    from tests.faults.dht_records import craft, owner_marker, raw_store, signed
+
+    started = time.monotonic()
+    share_tensors_by_file_descriptor()
+    run_id, local = "private", ["/ip4/127.0.0.1/tcp/0"]
+    folder.mkdir(parents=True, exist_ok=True)
+    details: Dict[str, Any] = {}
+    identity = {name: folder / name / "identity.key" for name in ("a", "b", "u", "unlisted")}
+    lines = {name: identity_line(NetworkArguments(identity_path=str(path)), name) for name, path in identity.items()}
+    allowlist = folder / "authorized_keys"
+    allowlist.write_text(f"# the run owner's list\n{lines['a']}\n{lines['b']}\n")
+    peer_id = {name: line.split()[0] for name, line in lines.items()}
+    trainers, dhts = [], []
+    try:
+        owner = start_trainer(folder, "a", run_id, extra=["--authorized_keys", allowlist])
+        trainers.append(owner)
+        join = owner.initial_peers(STARTUP)
+        # an intruder without credentials, and a peer whose key the owner never listed
+        intruder = start_trainer(folder, "intruder", run_id, initial_peers=join)
+        unlisted = start_trainer(folder, "unlisted", run_id, initial_peers=join, extra=["--authorized_keys", allowlist])
+        trainers += [intruder, unlisted]
+
+        def network(name: str, **kwargs) -> NetworkArguments:
+            return NetworkArguments(run_id=run_id, host_maddrs=local, initial_peers=join, rejoin_period=0,
+                                    identity_path=str(identity[name]), **kwargs)
+
+        key_b = load_or_create_signing_key(signing_key_path(network("b")))
+        member = create_dht(network("b", authorized_keys=str(allowlist)), make_validators(run_id, key_b)[0])
+        dhts.append(member)
+        key_u = load_or_create_signing_key(signing_key_path(network("u")))
+        validators_u, public_u = make_validators(run_id, key_u)
+        stranger = hivemind.DHT(start=True, host_maddrs=local, initial_peers=join, record_validators=validators_u,
+                                identity_path=str(identity["u"]), ensure_bootstrap_success=False)
+        dhts.append(stranger)
+
+        owner.wait_for(r"Global epoch 1 done", timeout=120)
+        metrics = LocalMetrics(epoch=1, samples_per_second=1.0, samples_accumulated=16, loss=8.0, mini_steps=1,
+                               samples_total=16, time=float(get_dht_time()))
+        publish_metrics(stranger, run_id, public_u, metrics).result(timeout=30)
+        stored = raw_store(stranger, member, signed(craft(metrics_key(run_id), owner_marker(key_u), metrics.dict()),
+                                                    key_u))
+        details["stranger_raw_store_answer"] = stored
+        time.sleep(2.0)
+        seen_by_member = fetch_metrics(member, run_id, timeout=15)
+        details["metrics_seen_by_member"] = len(seen_by_member)
+        _check(details, "a listed peer reads the owner's metrics", len(seen_by_member) >= 1)
+        _check(details, "the stranger's metrics were stored nowhere", public_u not in seen_by_member)
+        _check(details, "the stranger's store request got no answer", stored is None)
+        seen_by_stranger = fetch_metrics(stranger, run_id, timeout=15)
+        _check(details, "the stranger cannot read the swarm's metrics", set(seen_by_stranger) <= {public_u})
+
+        as_member = probe_averaging(member, peer_id["a"], run_id)
+        as_stranger = probe_averaging(stranger, peer_id["a"], run_id)
+        details["averaging_rpcs_of_a_listed_peer"], details["averaging_rpcs_of_the_stranger"] = as_member, as_stranger
+        _check(details, "a listed peer may download the state and ask to join averaging",
+               all(answer.startswith("answered") for answer in as_member.values()))
+        _check(details, "the stranger may not", all(answer.startswith("refused") for answer in as_stranger.values()))
+
+        codes = [intruder.wait(60), unlisted.wait(60)]
+        details["intruder_and_unlisted_exit_codes"] = codes
+        _check(details, "a trainer without credentials cannot join (clear error)",
+               codes[0] != 0 and "could not reach any of the initial peers" in intruder.log())
+        _check(details, "an unlisted trainer is told to get listed",
+               codes[1] != 0 and "is not in --authorized_keys" in unlisted.log())
+        _check(details, "the owner logs refused averaging calls", "Refused rpc_download_state" in owner.log())
+        _check(details, "the owner kept training", _loss_fell(owner, min_drop=0.0) or owner.poll() is None)
+        details["owner_exit_code"] = _stop_all([owner])[0]
+        _check(details, "the owner stopped cleanly", details["owner_exit_code"] == 0)
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+        from helpers.peers import kill_all
+
+        kill_all(trainers)
+    return ScenarioResult("h. authorization: peer without credentials", survived=_all_checks(details),
+                          epochs_lost=0, recover_seconds=None, data_lost=False, details=details,
+                          seconds=time.monotonic() - started)
