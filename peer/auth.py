@@ -100,13 +100,16 @@ class AllowlistAuthorizer(TokenAuthorizerBase):
         return False
 
 
-def make_authorizer(path: str, private_key: RSAPrivateKey) -> AllowlistAuthorizer:
-    """The DHT authorizer for ``--authorized_keys path``; this peer's own signing key must be listed."""
+def make_authorizer(network_args) -> AllowlistAuthorizer:
+    """The DHT authorizer of a peer started with ``--authorized_keys``; its own signing key must be listed."""
+    from peer.network import load_or_create_signing_key, signing_key_path
+
+    path = network_args.authorized_keys
     allowlist = Allowlist.load(path)
+    private_key = load_or_create_signing_key(signing_key_path(network_args))
     if private_key.get_public_key().to_bytes() not in allowlist.public_keys:
-        raise AuthorizationError(f"this peer's signing key is not in --authorized_keys {path}; the run owner must "
-                                 "add this peer's line (run `python -m peer.auth --identity_path <your "
-                                 "--identity_path>` to print it)")
+        raise AuthorizationError(f"this peer is not in --authorized_keys {path}; the run owner must add its line:\n"
+                                 f"{identity_line(network_args)}")
     return AllowlistAuthorizer(private_key, allowlist)
 
 

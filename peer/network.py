@@ -151,8 +151,7 @@ def create_dht(args: NetworkArguments, record_validators: Sequence[RecordValidat
         from peer.auth import AuthorizationError, make_authorizer
 
         try:
-            authorizer = kwargs["authorizer"] = make_authorizer(
-                args.authorized_keys, load_or_create_signing_key(signing_key_path(args)))
+            authorizer = kwargs["authorizer"] = make_authorizer(args)
         except AuthorizationError as e:
             raise NetworkSetupError(str(e)) from None
     try:
@@ -177,8 +176,7 @@ def create_dht(args: NetworkArguments, record_validators: Sequence[RecordValidat
                 "Check that the address is copied exactly from the line the first peer logs "
                 "('--initial_peers ...'), that the peer is still running, and that its port is open "
                 "(firewall/NAT). To start a new collaboration instead, omit --initial_peers."
-                + (" With --authorized_keys, this peer must also be in the other peers' allowlist."
-                   if authorizer is not None else "")
+                + " If the swarm is private (--authorized_keys), this peer must be in its allowlist."
             ) from None
         if "already taken" in text:
             raise NetworkSetupError(f"identity {args.identity_path} is already used by a running peer; "

@@ -521,7 +521,8 @@ def authorization(folder: Path) -> ScenarioResult:
         _check(details, "a trainer without credentials cannot join (clear error)",
                codes[0] != 0 and "could not reach any of the initial peers" in intruder.log())
         _check(details, "an unlisted trainer is told to get listed",
-               codes[1] != 0 and "is not in --authorized_keys" in unlisted.log())
+               codes[1] != 0 and f"is not in --authorized_keys {allowlist}" in unlisted.log()
+               and lines["unlisted"].split()[0] in unlisted.log())
         _check(details, "the owner logs refused averaging calls", "Refused rpc_download_state" in owner.log())
         _check(details, "the owner kept training", _loss_fell(owner, min_drop=0.0) or owner.poll() is None)
         details["owner_exit_code"] = _stop_all([owner])[0]
