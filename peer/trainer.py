@@ -26,6 +26,7 @@ from peer.collaboration import (
     LeanHiveOptimizer,
     build_optimizer,
     count_other_state_sharing_peers,
+    final_barrier,
     join_swarm,
     wait_for_swarm,
 )
@@ -157,6 +158,9 @@ class TrainerPeer:
         while not self.stop_requested.is_set():
             if max_epochs is not None and self.optimizer.local_epoch >= max_epochs:
                 logger.info("Reached max_epochs=%d: stopping", max_epochs)
+                self._finish_pending_updates()
+                final_barrier(self.optimizer, self.dht, self.config.network.run_id, max_epochs,
+                              self.config.collaboration)
                 break
             epoch_before = self.optimizer.local_epoch
             self._train_step(stats)
