@@ -45,9 +45,11 @@ class PeerProcess:
     def __init__(self, args: Sequence[str], *, name: str, log_path: Path, script: str = "run_trainer.py",
                  env: Optional[Dict[str, str]] = None, cwd: Path = REPO_ROOT):
         self.name, self.log_path = name, Path(log_path)
-        self.command = [sys.executable, str(cwd / script), *map(str, args)]
+        self.command = [sys.executable, str(Path(cwd) / script), *map(str, args)]
+        # this checkout's packages come first, whatever folder the script is in
+        python_path = os.pathsep.join(filter(None, [str(cwd), os.environ.get("PYTHONPATH")]))
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+                    "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": python_path, **(env or {})}
         self.cwd = cwd
         self.process: Optional[subprocess.Popen] = None
         self._known_tree: Dict[int, float] = {}  # pid -> create_time, for processes seen in the tree
