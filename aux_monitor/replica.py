@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 from typing import Optional
 
@@ -35,15 +36,40 @@ class SwarmReplica:
         """The swarm's global epoch as hivemind's progress tracker sees it."""
         return self.optimizer.tracker.global_epoch
 
-    def download(self) -> Optional[int]:
-        """Load the newest state a trainer offers; returns its epoch, or None if no trainer sent one."""
+    def download(self, attempts: int = 3) -> Optional[int]:
+        """Load the newest state a trainer offers; returns its epoch, or None if no consistent state arrived.
+
+        A state is accepted when two consecutive downloads carry the same epoch and the same parameters:
+        hivemind streams a peer's live tensors and bumps its epoch label before the optimizer step runs,
+        so one download can be torn, or labelled one epoch ahead of its parameters. Two downloads may come
+        from different trainers, whose parameters differ by float rounding of the all-reduce, hence the
+        tolerance (far below the change one optimizer step makes).
+        """
         with self._lock:
-            averager = self.optimizer.state_averager
-            averager.load_state_from_peers(timeout=self.load_state_timeout)
-            if not averager.state_arrived():
-                return None
-            self._adopt_epoch(averager.local_epoch)
-            return self.held_epoch
+            epoch = self._download_once()
+            for _ in range(attempts):
+                if epoch is None:
+                    return None
+                reference = self._parameters()
+                again = self._download_once()
+                difference = _relative_difference(reference, self._parameters())
+                if again == epoch and difference <= SAME_STATE_RTOL:
+                    self._adopt_epoch(epoch)
+                    return epoch
+                logger.info("The state changed between two downloads (epoch %s, then %s; parameters differ by %.1e "
+                            "relative): the swarm moved on or a trainer was mid-step; downloading again",
+                            epoch, again, difference)
+                epoch = again
+            logger.warning("The swarm's state kept changing during %d downloads; trying again later", attempts)
+            return None
+
+    def _download_once(self) -> Optional[int]:
+        averager = self.optimizer.state_averager
+        averager.load_state_from_peers(timeout=self.load_state_timeout)
+        return averager.local_epoch if averager.state_arrived() else None
+
+    def _parameters(self) -> list:
+        return [p.detach().clone() for p in self.model.parameters()]
 
     def restore(self, state: TrainingState) -> None:
         """Put a checkpoint's state into the optimizer (parameters, statistics, schedule, epoch)."""
@@ -97,3 +123,16 @@ class SwarmReplica:
         if averager.allow_state_sharing != allowed:
             averager.allow_state_sharing = allowed
             logger.debug("Offering our state to joining peers: %s", allowed)
+
+
+SAME_STATE_RTOL = 1e-5  # all-reduce rounding between trainers: ~1e-7; one optimizer step: ~learning rate
+
+
+def _relative_difference(first: list, second: list) -> float:
+    """Largest |a - b| / |a| over the tensors (inf if the second download has NaN/inf values)."""
+    worst = 0.0
+    for a, b in zip(first, second):
+        if not torch.isfinite(b).all():
+            return math.inf
+        worst = max(worst, float((a - b).norm()) / max(float(a.norm()), 1e-12))
+    return worst
