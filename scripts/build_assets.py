@@ -102,6 +102,10 @@ class _ParagraphExtractor(html.parser.HTMLParser):
         if not self._skip_depth:
             self._current.append(data)
 
+    def close(self):
+        super().close()
+        self._flush()  # text after the last block tag
+
 
 def _is_prose(paragraph: str) -> bool:
     return len(paragraph.split()) >= MIN_WORDS_PER_PARAGRAPH and not paragraph.startswith(BOILERPLATE_PREFIXES)
@@ -131,7 +135,6 @@ def extract_documents(package_root: Path) -> list[Document]:
         parser = _ParagraphExtractor()
         parser.feed(page.read_text(encoding="utf-8", errors="replace"))
         parser.close()
-        parser._flush()
         paragraphs = []
         for block in parser.blocks:
             if _is_prose(block) and block not in seen:
