@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import threading
+import time
 from typing import Optional
 
 import hivemind
@@ -23,10 +23,12 @@ logger = logging.getLogger(__name__)
 
 
 class SwarmReplica:
-    def __init__(self, *, model: torch.nn.Module, optimizer: hivemind.Optimizer, load_state_timeout: float):
+    def __init__(self, *, model: torch.nn.Module, optimizer: hivemind.Optimizer, load_state_timeout: float,
+                 settle_time: float):
         self.model = model
         self.optimizer = optimizer
         self.load_state_timeout = load_state_timeout
+        self.settle_time = settle_time  # seconds after a download in which no trainer may change epoch
         self.held_epoch: Optional[int] = None  # epoch of the parameters we hold; None: nothing loaded yet
         self._lock = threading.RLock()  # downloads, restores, captures and assist steps never overlap
         self._set_sharing(False)
@@ -39,28 +41,25 @@ class SwarmReplica:
     def download(self, attempts: int = 3) -> Optional[int]:
         """Load the newest state a trainer offers; returns its epoch, or None if no consistent state arrived.
 
-        A state is accepted when two consecutive downloads carry the same epoch and the same parameters:
-        hivemind streams a peer's live tensors and bumps its epoch label before the optimizer step runs,
-        so one download can be torn, or labelled one epoch ahead of its parameters. Two downloads may come
-        from different trainers, whose parameters differ by float rounding of the all-reduce, hence the
-        tolerance (far below the change one optimizer step makes).
+        hivemind streams a trainer's live tensors and bumps its epoch label before the optimizer step runs,
+        so a download that overlaps a trainer's epoch transition can be torn, or labelled one epoch ahead of
+        its parameters. A download is therefore accepted only if the epoch the trainers report was the
+        state's epoch just before it and still is ``settle_time`` seconds after it.
         """
         with self._lock:
-            epoch = self._download_once()
             for _ in range(attempts):
+                before = self._reported_epoch()
+                epoch = self._download_once()
                 if epoch is None:
                     return None
-                reference = self._parameters()
-                again = self._download_once()
-                difference = _relative_difference(reference, self._parameters())
-                if again == epoch and difference <= SAME_STATE_RTOL:
+                time.sleep(self.settle_time)
+                after = self._reported_epoch()
+                if before == epoch == after:
                     self._adopt_epoch(epoch)
                     return epoch
-                logger.info("The state changed between two downloads (epoch %s, then %s; parameters differ by %.1e "
-                            "relative): the swarm moved on or a trainer was mid-step; downloading again",
-                            epoch, again, difference)
-                epoch = again
-            logger.warning("The swarm's state kept changing during %d downloads; trying again later", attempts)
+                logger.info("The swarm changed epoch around the download (trainers reported epoch %s before, "
+                            "%s after; the state says %s); downloading again", before, after, epoch)
+            logger.warning("The swarm kept changing epoch during %d downloads; trying again later", attempts)
             return None
 
     def _download_once(self) -> Optional[int]:
@@ -68,8 +67,14 @@ class SwarmReplica:
         averager.load_state_from_peers(timeout=self.load_state_timeout)
         return averager.local_epoch if averager.state_arrived() else None
 
-    def _parameters(self) -> list:
-        return [p.detach().clone() for p in self.model.parameters()]
+    def _reported_epoch(self) -> Optional[int]:
+        """The newest epoch in the trainers' hivemind progress records, read from the DHT now."""
+        tracker = self.optimizer.tracker
+        found = self.optimizer.dht.get(tracker.training_progress_key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return None
+        epochs = [entry.value.get("epoch") for entry in found.value.values() if isinstance(entry.value, dict)]
+        return max((e for e in epochs if isinstance(e, int)), default=None)
 
     def restore(self, state: TrainingState) -> None:
         """Put a checkpoint's state into the optimizer (parameters, statistics, schedule, epoch)."""
@@ -124,15 +129,3 @@ class SwarmReplica:
             averager.allow_state_sharing = allowed
             logger.debug("Offering our state to joining peers: %s", allowed)
 
-
-SAME_STATE_RTOL = 1e-5  # all-reduce rounding between trainers: ~1e-7; one optimizer step: ~learning rate
-
-
-def _relative_difference(first: list, second: list) -> float:
-    """Largest |a - b| / |a| over the tensors (inf if the second download has NaN/inf values)."""
-    worst = 0.0
-    for a, b in zip(first, second):
-        if not torch.isfinite(b).all():
-            return math.inf
-        worst = max(worst, float((a - b).norm()) / max(float(a.norm()), 1e-12))
-    return worst

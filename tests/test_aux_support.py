@@ -1,17 +1,15 @@
 """Helpers for the aux-peer tests: headless Chromium, a real Prometheus server, HTTP and /metrics parsing.
 
+Peer processes are started with the shared ``helpers.peers`` / ``helpers.trainer_swarm``.
+
 (No tests in here; the name keeps it with the other aux test files.)
 """
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -188,53 +186,3 @@ class PrometheusServer:
                 self.process.kill()
                 self.process.wait(timeout=10)
 
-
-# ------------------------------------------------------------------ peer processes
-JOIN_LINE = re.compile(r"--initial_peers (\S+)")
-METRICS_URL = re.compile(r"Prometheus metrics on http://[^:]+:(\d+)/metrics")
-
-
-class PeerProcess:
-    """``python <script> ...`` from the repository root, logging to a file the test reads."""
-
-    def __init__(self, name: str, script: str, args: List[str], log_dir: Path):
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   LEANHIVE_LOG_LEVEL="INFO", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen([sys.executable, script, *args], cwd=REPO_ROOT, env=env,
-                                            stdout=log, stderr=subprocess.STDOUT)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_for(self, pattern: re.Pattern | str, timeout: float) -> re.Match:
-        pattern = re.compile(pattern) if isinstance(pattern, str) else pattern
-
-        def found():
-            match = pattern.search(self.text())
-            if match is None and self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.process.returncode}) before logging "
-                                   f"{pattern.pattern!r}:\n{self.tail()}")
-            return match
-        return wait_for(found, timeout, what=f"{self.name} to log {pattern.pattern!r}")
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.text().splitlines()[-lines:])
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash or an OOM kill would (its hivemind children follow via process_guard)."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
-
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM and wait; SIGKILL if it does not exit in time."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                return self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait(timeout=30)

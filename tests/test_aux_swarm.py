@@ -10,6 +10,7 @@
 """
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -18,11 +19,11 @@ import torch
 
 from aux_monitor.checkpoints import MANIFEST
 from model import LeanGPTForCausalLM
+from helpers.peers import PeerProcess, kill_all
+from helpers.trainer_swarm import start_trainer, tiny_model_config
 from test_aux_support import (
     ARTIFACTS,
-    JOIN_LINE,
     DashboardDom,
-    PeerProcess,
     PrometheusServer,
     dump_dom,
     free_port,
@@ -32,29 +33,17 @@ from test_aux_support import (
     wait_for,
 )
 
-# settings the aux peer and the trainers must share (the swarm's collaboration/optimizer/data settings)
-SWARM = ["--run_id", "auxtest", "--model_config", "tiny", "--target_batch_size", "64",
-         "--matchmaking_time", "1.0", "--averaging_timeout", "5.0", "--load_state_timeout", "20",
-         "--compression", "none", "--learning_rate", "0.02", "--warmup_steps", "2", "--total_steps", "1000",
-         "--max_sequence_length", "64", "--seq_warmup_start_length", "0", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"]
+RUN_ID = "auxtest"
 CHECKPOINT_EVERY = 2
 
 
-def start_aux(name, tmp_path, port, *extra):
-    return PeerProcess(name, "run_aux_peer.py", [
-        *SWARM, "--refresh_period", "1", "--alive_window", "15", "--metrics_host", "127.0.0.1",
-        "--metrics_port", str(port), "--checkpoint_dir", str(tmp_path / "ckpt"),
-        "--checkpoint_every", str(CHECKPOINT_EVERY), "--keep_checkpoints", "3", *extra], tmp_path)
-
-
-def start_trainer(name, tmp_path, join_addrs, *extra):
-    return PeerProcess(name, "run_trainer.py", [
-        *SWARM, "--initial_peers", *join_addrs, "--per_device_batch_size", "16", "--startup_wait", "3",
-        "--output_dir", str(tmp_path / name), *extra], tmp_path)
-
-
-def join_addrs(aux: PeerProcess):
-    return aux.wait_for(JOIN_LINE, timeout=120).group(1).split()
+def start_aux(name, folder, port, *extra):
+    """An aux peer on the trainers' run preset (so collaboration/optimizer settings match theirs)."""
+    args = ["--config", "tiny", "--model_config", tiny_model_config(folder), "--run_id", RUN_ID,
+            "--refresh_period", "1", "--alive_window", "15", "--metrics_host", "127.0.0.1", "--metrics_port", port,
+            "--checkpoint_dir", folder / "ckpt", "--checkpoint_every", CHECKPOINT_EVERY, "--keep_checkpoints", 3,
+            "--download_settle_time", 0.5, *extra]
+    return PeerProcess(args, name=name, log_path=folder / f"{name}.log", script="run_aux_peer.py").start()
 
 
 def api_state(url):
@@ -76,15 +65,15 @@ def peer_report(url, exclude, min_epoch=0):
 
 def check_dashboard_matches_metrics(url, tmp_path):
     """The numbers the page shows (after its scripts ran) are the ones /metrics serves for the same refresh."""
-    for attempt in range(6):
+    for attempt in range(8):
         before = scrape(url + "/metrics")
         dom = DashboardDom(dump_dom(url + "/", tmp_path / f"chromium-{attempt}"))
         after = scrape(url + "/metrics")
-        shown_refresh = float(dom.value("updated"))
-        metrics = next((m for m in (before, after)
-                        if m[("leanhive_last_refresh_timestamp_seconds", ())] == shown_refresh), None)
+        shown = int(dom.body["data-generation"])
+        metrics = next((m for m in (before, after) if m[("leanhive_monitor_updates_total", ())] == shown), None)
         if metrics is None:
-            continue  # the monitor refreshed while the page loaded: try again
+            continue  # the monitor's state changed while the page loaded: try again
+        assert float(dom.value("updated")) == metrics[("leanhive_last_refresh_timestamp_seconds", ())]
         assert int(dom.value("alive-peers")) == metrics[("leanhive_alive_peers", ())] == 2
         assert int(dom.value("global-epoch")) == metrics[("leanhive_global_epoch", ())]
         assert float(dom.value("loss")) == pytest.approx(metrics[("leanhive_loss", ())], rel=1e-12)
@@ -95,10 +84,10 @@ def check_dashboard_matches_metrics(url, tmp_path):
         if ("leanhive_last_checkpoint_epoch", ()) in metrics:
             assert int(dom.value("checkpoint-epoch")) == metrics[("leanhive_last_checkpoint_epoch", ())]
             assert dom.text("checkpoint-path").startswith(str(tmp_path / "ckpt"))
-        shown = {row["data-peer"]: int(row["data-samples"]) for row in dom.rows}
+        leaderboard = {row["data-peer"]: int(row["data-samples"]) for row in dom.rows}
         exported = {dict(labels)["peer"]: value for (name, labels), value in metrics.items()
                     if name == "leanhive_peer_samples_total"}
-        assert shown == exported and len(shown) == 2
+        assert leaderboard == exported and len(leaderboard) == 2
         assert dom.text("initial-peers").startswith("--initial_peers /ip4/127.0.0.1/")
         assert int(dom.by_id["loss-chart"]["data-points"]) >= 3
         return
@@ -126,8 +115,8 @@ def test_aux_peer_with_trainers(tmp_path):
         aux = start_aux("aux", tmp_path, port)
         procs.append(aux)
         prometheus = PrometheusServer(tmp_path / "prometheus", [f"127.0.0.1:{port}"])
-        addrs = join_addrs(aux)
-        trainers = [start_trainer(f"trainer{i}", tmp_path, addrs) for i in (1, 2)]
+        addrs = aux.initial_peers(timeout=120)
+        trainers = [start_trainer(tmp_path, f"trainer{i}", RUN_ID, initial_peers=addrs) for i in (1, 2)]
         procs += trainers
         prometheus.wait_ready()
         aux.wait_for("Serving the dashboard", timeout=120)
@@ -169,7 +158,8 @@ def test_aux_peer_with_trainers(tmp_path):
             trainer.kill()
         checkpointed = api_state(url)["checkpoint"]["epoch"]
 
-        newcomer = start_trainer("trainer3", tmp_path, addrs, "--backup_every_epochs", "1")
+        newcomer = start_trainer(tmp_path, "trainer3", RUN_ID, initial_peers=addrs,
+                                 extra=["--backup_every_epochs", "1"])
         procs.append(newcomer)
         label, epoch, loss = wait_for(lambda: peer_report(url, old_peers), timeout=120,
                                       what="the new trainer's first metrics")
@@ -207,13 +197,13 @@ def test_aux_peer_with_trainers(tmp_path):
 
         aux2 = start_aux("aux_resumed", tmp_path, port, "--resume")
         procs.append(aux2)
-        aux2.wait_for(f"Resumed from {previous}", timeout=120)
+        aux2.wait_for(re.escape(f"Resumed from {previous}"), timeout=120)
         aux2.wait_for("Serving the dashboard", timeout=60)
-        log = aux2.text()
+        log = aux2.log()
         assert f"Checkpoint {newest} is corrupt" in log
         assert checkpoint_dirs(tmp_path) == before, "a checkpoint was deleted"
 
-        joiner = start_trainer("trainer4", tmp_path, join_addrs(aux2))
+        joiner = start_trainer(tmp_path, "trainer4", RUN_ID, initial_peers=aux2.initial_peers(timeout=120))
         procs.append(joiner)
         _, epoch, loss = wait_for(lambda: peer_report(url, set()), timeout=120,
                                   what="the trainer that joined the resumed aux to publish metrics")
@@ -222,10 +212,9 @@ def test_aux_peer_with_trainers(tmp_path):
         assert newest.name in checkpoint_dirs(tmp_path), "the damaged checkpoint must be left for inspection"
     except BaseException:
         for proc in procs:
-            print(f"\n===== {proc.name} ({proc.log}) =====\n{proc.tail(60)}")
+            print(f"\n===== {proc.name} ({proc.log_path}) =====\n{proc.tail(60)}")
         raise
     finally:
         if prometheus is not None:
             prometheus.stop()
-        for proc in procs:
-            proc.kill()
+        kill_all(procs)
