@@ -84,6 +84,10 @@ def check_dashboard_matches_metrics(url, tmp_path):
         if ("leanhive_last_checkpoint_epoch", ()) in metrics:
             assert int(dom.value("checkpoint-epoch")) == metrics[("leanhive_last_checkpoint_epoch", ())]
             assert dom.text("checkpoint-path").startswith(str(tmp_path / "ckpt"))
+        if ("leanhive_eval_loss", ()) in metrics:
+            assert float(dom.value("eval-loss")) == pytest.approx(metrics[("leanhive_eval_loss", ())], rel=1e-12)
+            assert float(dom.value("eval-perplexity")) == pytest.approx(
+                metrics[("leanhive_eval_perplexity", ())], rel=1e-12)
         leaderboard = {row["data-peer"]: int(row["data-samples"]) for row in dom.rows}
         exported = {dict(labels)["peer"]: value for (name, labels), value in metrics.items()
                     if name == "leanhive_peer_samples_total"}
@@ -112,7 +116,7 @@ def test_aux_peer_with_trainers(tmp_path):
     prometheus = None
     try:
         # ---------------------------------------------------------------- 1. aux + Prometheus + 2 trainers
-        aux = start_aux("aux", tmp_path, port)
+        aux = start_aux("aux", tmp_path, port, "--eval_every", 4, "--eval_batch_size", 8, "--eval_max_batches", 4)
         procs.append(aux)
         prometheus = PrometheusServer(tmp_path / "prometheus", [f"127.0.0.1:{port}"])
         addrs = aux.initial_peers(timeout=120)
@@ -139,6 +143,13 @@ def test_aux_peer_with_trainers(tmp_path):
         assert all(math.isfinite(v) for v in values)
         alive = prometheus.query_range("leanhive_alive_peers", 10)
         assert alive and alive[-1][1] == 2
+
+        # evaluation of the swarm's state on the shipped validation split is published too
+        metrics = wait_for(lambda: (m := scrape(url + "/metrics")).get(("leanhive_eval_loss", ())) and m, timeout=60,
+                           what="an evaluation")
+        assert metrics[("leanhive_eval_epoch", ())] >= 4
+        assert metrics[("leanhive_eval_perplexity", ())] == pytest.approx(math.exp(metrics[("leanhive_eval_loss", ())]))
+        assert metrics[("leanhive_eval_loss", ())] < math.log(4096)  # the model learnt something
 
         check_dashboard_matches_metrics(url, tmp_path)
         screenshot(url + "/", tmp_path / "chromium-shot", ARTIFACTS / "dashboard_swarm.png")
