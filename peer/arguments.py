@@ -60,6 +60,9 @@ class CollaborationArguments:
     """Before the first step, wait until this many state-sharing peers (this one included) are online."""
     startup_wait: float = 60.0
     """Seconds to wait for the swarm's progress (and for min_peers) before training starts."""
+    final_sync_timeout: float = 60.0
+    """At max_epochs, wait at most this long for the other peers to get there too, then all take the same
+    final parameters (from the peer elected by state-sharing priority); 0 skips this final barrier."""
     load_state_attempts: int = 3
     """Tries to download the swarm's state when joining before training on with the local state."""
     metrics_expiration: float = 600.0
@@ -85,7 +88,7 @@ class CollaborationArguments:
         for name in ("average_state_every", "compression_threshold", "min_peers", "load_state_attempts"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
-        _non_negative(self, "startup_wait")
+        _non_negative(self, "startup_wait", "final_sync_timeout")
         _positive(self, "metrics_expiration")
 
 

@@ -1,6 +1,7 @@
 """hivemind.Optimizer wiring: parameter groups, LR schedule, compression, averagers, joining the swarm."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -19,6 +20,7 @@ from hivemind.compression import (
 )
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.arguments import CollaborationArguments, OptimizerArguments
@@ -226,4 +228,96 @@ def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str,
         time.sleep(min(2.0 * attempt, 5.0))
     logger.warning("Could not download the swarm's state; training on from the local state at epoch %d "
                    "(hivemind retries when it notices this peer is behind)", optimizer.local_epoch)
+    return False
+
+
+# ---------------------------------------------------------------------------------------- final barrier
+
+
+def _fresh_progress(dht: hivemind.DHT, run_id: str, stale_after: float) -> dict:
+    """peer_id -> (epoch, client_mode) of peers whose training progress was reported recently."""
+    found = dht.get(f"{run_id}_progress", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    now, fresh = get_dht_time(), {}
+    for entry in found.value.values():
+        record = entry.value
+        if isinstance(record, dict) and now - record.get("time", -math.inf) <= stale_after:
+            fresh[record["peer_id"]] = (record["epoch"], record["client_mode"])
+    return fresh
+
+
+def _sharing_priorities(dht: hivemind.DHT, run_id: str) -> dict:
+    found = dht.get(f"{run_id}_state_averager.all_averagers", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {peer_id: float(entry.value) for peer_id, entry in found.value.items()
+            if isinstance(entry.value, (int, float))}
+
+
+def _final_priority(epoch: int, arrival: float) -> float:
+    """State-sharing priority of a peer at the final barrier: above any training priority (= epoch), and
+    higher for earlier arrival (a peer that finished late may have missed the last all-reduce)."""
+    return epoch + 0.5 + 0.4 * (1.0 - (arrival % 1e5) / 1e5)
+
+
+def final_barrier(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, epoch: int,
+                  collab: CollaborationArguments) -> bool:
+    """At max_epochs: wait for the peers still training, then all take the parameters of one elected peer.
+
+    A peer that finished its last epoch a moment after the others missed their last all-reduce and
+    stepped with its own gradients; normally the next epoch's averaging would fix that, but there is no
+    next epoch. The elected peer is the earliest to arrive: it gets the highest state-sharing priority,
+    which is also whom hivemind's load_state_from_peers downloads from first. Returns True if this peer
+    ends with the elected peer's parameters (or is that peer).
+    """
+    if collab.final_sync_timeout <= 0:
+        return True
+    deadline = time.monotonic() + collab.final_sync_timeout
+    stale_after = max(15.0, 3 * collab.averaging_timeout)
+    own_id = dht.peer_id.to_bytes()
+    final_floor = epoch + 0.5
+    if not optimizer.client_mode:
+        optimizer.state_averager.state_sharing_priority = _final_priority(epoch, get_dht_time())
+
+    def keep_reporting():  # the others must see that this peer is still here, waiting
+        optimizer.tracker.report_local_progress(optimizer.local_epoch, samples_accumulated=0)
+
+    while True:  # 1. everyone still training gets to the last epoch
+        others = {p: v for p, v in _fresh_progress(dht, run_id, stale_after).items() if p != own_id}
+        if all(other_epoch >= epoch for other_epoch, _ in others.values()) or time.monotonic() > deadline:
+            break
+        keep_reporting()
+        time.sleep(0.5)
+    sharing = {p for p, (_, client) in others.items() if not client}
+    if not optimizer.client_mode:
+        sharing.add(own_id)
+    while True:  # 2. every state-sharing peer at the barrier has declared its final priority
+        priorities = _sharing_priorities(dht, run_id)
+        if all(priorities.get(p, -1.0) >= final_floor for p in sharing) or time.monotonic() > deadline:
+            break
+        keep_reporting()
+        time.sleep(0.5)
+    candidates = {p: value for p, value in priorities.items() if value >= final_floor}
+    if not candidates:
+        logger.warning("Final barrier: no peer could be elected; keeping this peer's parameters")
+        return False
+    if max(candidates, key=candidates.get) == own_id:
+        logger.info("Final barrier: elected; %d other peer(s) at the barrier take these parameters", len(others))
+        while time.monotonic() < deadline:  # 3a. serve the state until the others have it and left
+            if not any(p != own_id for p in _fresh_progress(dht, run_id, stale_after)):
+                return True
+            keep_reporting()
+            time.sleep(0.5)
+        logger.warning("Final barrier: some peers did not leave within final_sync_timeout")
+        return True
+    while time.monotonic() < deadline:  # 3b. take the elected peer's parameters
+        if optimizer.load_state_checked() and optimizer.local_epoch == epoch:
+            if not optimizer.client_mode:  # holding the elected state now, below the elected peer
+                optimizer.state_averager.state_sharing_priority = final_floor
+            logger.info("Final barrier: took the final parameters of the elected peer")
+            return True
+        keep_reporting()
+        time.sleep(0.5)
+    logger.warning("Final barrier: could not load the final state within final_sync_timeout")
     return False

@@ -26,6 +26,7 @@ from peer.collaboration import (
     LeanHiveOptimizer,
     build_optimizer,
     count_other_state_sharing_peers,
+    final_barrier,
     join_swarm,
     wait_for_swarm,
 )
@@ -157,6 +158,9 @@ class TrainerPeer:
         while not self.stop_requested.is_set():
             if max_epochs is not None and self.optimizer.local_epoch >= max_epochs:
                 logger.info("Reached max_epochs=%d: stopping", max_epochs)
+                self._finish_pending_updates()
+                final_barrier(self.optimizer, self.dht, self.config.network.run_id, max_epochs,
+                              self.config.collaboration)
                 break
             epoch_before = self.optimizer.local_epoch
             self._train_step(stats)
@@ -169,29 +173,34 @@ class TrainerPeer:
         """One local step: accumulate micro-batches, then hand the gradients to hivemind."""
         train = self.config.training
         self.local_step += 1
-        loss_sum, finite = 0.0, True
+        loss_sum = 0.0
         for _ in range(train.gradient_accumulation_steps):
             input_ids = next(self._batches)["input_ids"].to(self.placement.device)
             with self.placement.autocast():
                 loss = self.model(input_ids=input_ids, labels=input_ids).loss
-            loss_value = float(loss.detach())
-            if not math.isfinite(loss_value):
-                finite = False
-                break
+            loss_sum += float(loss.detach())
+            if not math.isfinite(loss_sum) and self.grad_scaler is None:
+                break  # no point in a backward pass: the step is skipped anyway
             scaled = loss / train.gradient_accumulation_steps
             (self.grad_scaler.scale(scaled) if self.grad_scaler is not None else scaled).backward()
-            loss_sum += loss_value
         faults.maybe_corrupt_gradients(self.model, self.local_step)
-        if finite and self.grad_scaler is None:
-            finite = backup.all_finite(p.grad for p in self.model.parameters() if p.grad is not None)
-        if not finite:
-            self._skip_step(stats)
-            return
+        finite = math.isfinite(loss_sum) and backup.all_finite(
+            p.grad for p in self.model.parameters() if p.grad is not None)
 
-        self.optimizer.step(batch_size=self.batch_size_per_step, grad_scaler=self.grad_scaler)
         if self.grad_scaler is not None:
+            # fp16: the gradients accumulate in .grad; on overflow hivemind's GradScaler drops them and
+            # lowers the scale, so the step is always handed over
+            self.optimizer.step(batch_size=self.batch_size_per_step, grad_scaler=self.grad_scaler)
             self.grad_scaler.update()
+            if not finite:
+                self._count_skipped(stats)
+                return
+        elif not finite:
+            self.optimizer.zero_grad(set_to_none=False)
+            self._count_skipped(stats)
+            return
         else:
+            self.optimizer.step(batch_size=self.batch_size_per_step)
             self.optimizer.zero_grad(set_to_none=False)
 
         stats.loss_sum += loss_sum
@@ -202,17 +211,11 @@ class TrainerPeer:
         if self.local_step % train.log_every_steps == 0:
             self._log_progress(loss_sum / train.gradient_accumulation_steps, stats)
 
-    def _skip_step(self, stats: EpochStats) -> None:
+    def _count_skipped(self, stats: EpochStats) -> None:
         stats.skipped_steps += 1
         self.skipped_steps_total += 1
         logger.warning("Skipping local step %d: NaN/inf loss or gradients (%d skipped so far)",
                        self.local_step, self.skipped_steps_total)
-        if self.grad_scaler is not None:
-            # the scaled gradients live in the accumulators: hivemind drops them when it sees the overflow
-            self.optimizer.step(batch_size=self.batch_size_per_step, grad_scaler=self.grad_scaler)
-            self.grad_scaler.update()
-        else:
-            self.optimizer.zero_grad(set_to_none=False)
 
     def _log_progress(self, loss: float, stats: EpochStats) -> None:
         tracker = self.optimizer.tracker
