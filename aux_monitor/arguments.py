@@ -21,7 +21,7 @@ class AuxArguments:
     """A trainer counts as online if it reported metrics within this many seconds (more than one epoch)."""
     metrics_host: str = "0.0.0.0"
     """Address the HTTP server (Prometheus /metrics and the dashboard) listens on."""
-    metrics_port: int = 9500
+    metrics_port: int = 9100
     """Port of the HTTP server: /metrics for Prometheus, / for the dashboard, /api/state as JSON; 0 picks one."""
     checkpoint_dir: str = "checkpoints"
     """Folder the swarm's checkpoints are written to (one sub-folder per checkpoint)."""
@@ -29,6 +29,9 @@ class AuxArguments:
     """Download the swarm's state and write a checkpoint every this many global epochs; 0 disables."""
     keep_checkpoints: int = 3
     """How many of the newest valid checkpoints to keep; older ones are deleted."""
+    download_settle_time: float = 2.0
+    """A downloaded state is used only if no trainer changed epoch within this many seconds after the download
+    (catches states served mid optimizer step); raise it for models whose optimizer step takes longer."""
     resume: bool = False
     """At start, load the newest valid checkpoint from checkpoint_dir and offer it to joining trainers."""
     assist_in_averaging: bool = False
@@ -58,6 +61,7 @@ class AuxArguments:
         positive_number("refresh_period")
         positive_number("alive_window")
         positive_number("assist_refresh")
+        positive_number("download_settle_time")
         check(isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
               f"metrics_port must be a TCP port (0-65535; 0 picks a free one), got {self.metrics_port!r}")
         check(bool(self.checkpoint_dir), "checkpoint_dir must be a folder path")

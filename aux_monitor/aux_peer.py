@@ -6,6 +6,7 @@ after a failed ``start()``.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from dataclasses import dataclass
@@ -73,6 +74,24 @@ def build_validation_set(data: DataArguments, vocab_size: int) -> list:
     return blocks
 
 
+def build_auxiliary_optimizer(*, assist: bool, **factory_kwargs) -> hivemind.Optimizer:
+    """The trainers' own optimizer factory (same run_id, parameter groups, target batch, compression), never training.
+
+    hivemind's auxiliary mode (no batches; all-reduce rounds joined with weight zero) needs the factory's
+    ``auxiliary`` flag. Until the trainers' factory has it, the aux peer joins as a non-training observer
+    with the same state averager, which is all checkpoints and --resume need; assisting needs the flag.
+    """
+    from peer.collaboration import build_optimizer
+
+    if "auxiliary" in inspect.signature(build_optimizer).parameters:
+        return build_optimizer(**factory_kwargs, batch_size_per_step=None, client_mode=False, auxiliary=True)
+    if assist:
+        raise ValueError("--assist_in_averaging needs peer.collaboration.build_optimizer(auxiliary=True), which "
+                         "this version of the trainer code does not have; run without --assist_in_averaging")
+    logger.info("The trainers' optimizer factory has no auxiliary mode: joining as an observer that never steps")
+    return build_optimizer(**factory_kwargs, batch_size_per_step=1, client_mode=False)
+
+
 class AuxPeer:
     def __init__(self, config: AuxConfig):
         self.config = config
@@ -86,8 +105,6 @@ class AuxPeer:
         self._threads: List[threading.Thread] = []
 
     def start(self) -> None:
-        from peer.collaboration import build_optimizer
-
         net, aux = self.config.network, self.config.aux
         if net.client_mode:
             raise ValueError("an aux peer cannot run in client mode: it must accept connections to serve its "
@@ -104,11 +121,12 @@ class AuxPeer:
         join_line = f"{initial_peers_line(self.dht)} --run_id {net.run_id}"
         logger.info("To join this collaboration, run peers with:\n%s", join_line)
 
-        self.optimizer = build_optimizer(
-            model=model, dht=self.dht, run_id=net.run_id, signing_key=signing_key, batch_size_per_step=None,
-            collab=self.config.collaboration, optim=self.config.optimizer, client_mode=False, auxiliary=True)
+        self.optimizer = build_auxiliary_optimizer(
+            model=model, dht=self.dht, run_id=net.run_id, signing_key=signing_key,
+            collab=self.config.collaboration, optim=self.config.optimizer, assist=aux.assist_in_averaging)
         replica = SwarmReplica(model=model, optimizer=self.optimizer,
-                               load_state_timeout=self.config.collaboration.load_state_timeout)
+                               load_state_timeout=self.config.collaboration.load_state_timeout,
+                               settle_time=aux.download_settle_time)
         holder = StateHolder(MonitorState(run_id=net.run_id, initial_peers=join_line,
                                           swarm=SwarmSnapshot.empty(get_dht_time())))
         if aux.upload_to_hub:

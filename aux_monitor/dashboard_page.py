@@ -157,6 +157,7 @@ function render(state) {
   lineChart("peers-chart", s.timeline.map(p => [p.time, p.alive_peers]), "#3182ce", clock);
   lineChart("throughput-chart", s.timeline.map(p => [p.time, p.samples_per_second]), "#38a169", clock);
   document.body.dataset.rendered = String(s.time);
+  document.body.dataset.generation = String(state.generation);
 }
 
 async function poll() {

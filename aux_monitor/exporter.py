@@ -44,6 +44,8 @@ class SwarmCollector(Collector):
         yield per_peer
         yield per_peer_rate
 
+        yield CounterMetricFamily(PREFIX + "monitor_updates", "Updates of the monitor's state (refreshes, "
+                                  "checkpoints, evaluations); the dashboard shows the same count", state.generation)
         yield _gauge("last_refresh_timestamp_seconds", "When the monitor last read the swarm's metrics (unix time)",
                      swarm.time)
         if state.checkpoint is not None:

@@ -41,6 +41,7 @@ class AuxMonitor:
         self.aggregator = MetricsAggregator(alive_window=args.alive_window)
         self.last_checkpoint_epoch: Optional[int] = None
         self.last_eval_epoch: Optional[int] = None
+        self._last_logged_epoch: Optional[int] = None
         if (args.eval_every > 0) != (validation is not None):
             raise ValueError("pass a validation set exactly when eval_every > 0")
 
@@ -64,9 +65,12 @@ class AuxMonitor:
         snapshot = self.aggregator.update(records, now=get_dht_time())
         self.holder.update(swarm=snapshot)
         if snapshot.global_epoch is not None:
-            logger.info("Epoch %d: %d peers online, loss %s, %.1f samples/s", snapshot.global_epoch,
-                        snapshot.alive_peers, "n/a" if snapshot.loss is None else f"{snapshot.loss:.4f}",
-                        snapshot.samples_per_second)
+            # one line per new epoch at INFO; every refresh at DEBUG
+            level = logging.INFO if snapshot.global_epoch != self._last_logged_epoch else logging.DEBUG
+            self._last_logged_epoch = snapshot.global_epoch
+            logger.log(level, "Epoch %d: %d peers online, loss %s, %.1f samples/s", snapshot.global_epoch,
+                       snapshot.alive_peers, "n/a" if snapshot.loss is None else f"{snapshot.loss:.4f}",
+                       snapshot.samples_per_second)
 
         epoch = max(self.replica.swarm_epoch, snapshot.global_epoch or 0)
         want_checkpoint = self.checkpoints is not None and is_due(epoch, self.last_checkpoint_epoch,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from typing import Optional
 
 import hivemind
@@ -22,10 +23,12 @@ logger = logging.getLogger(__name__)
 
 
 class SwarmReplica:
-    def __init__(self, *, model: torch.nn.Module, optimizer: hivemind.Optimizer, load_state_timeout: float):
+    def __init__(self, *, model: torch.nn.Module, optimizer: hivemind.Optimizer, load_state_timeout: float,
+                 settle_time: float):
         self.model = model
         self.optimizer = optimizer
         self.load_state_timeout = load_state_timeout
+        self.settle_time = settle_time  # seconds after a download in which no trainer may change epoch
         self.held_epoch: Optional[int] = None  # epoch of the parameters we hold; None: nothing loaded yet
         self._lock = threading.RLock()  # downloads, restores, captures and assist steps never overlap
         self._set_sharing(False)
@@ -35,15 +38,43 @@ class SwarmReplica:
         """The swarm's global epoch as hivemind's progress tracker sees it."""
         return self.optimizer.tracker.global_epoch
 
-    def download(self) -> Optional[int]:
-        """Load the newest state a trainer offers; returns its epoch, or None if no trainer sent one."""
+    def download(self, attempts: int = 3) -> Optional[int]:
+        """Load the newest state a trainer offers; returns its epoch, or None if no consistent state arrived.
+
+        hivemind streams a trainer's live tensors and bumps its epoch label before the optimizer step runs,
+        so a download that overlaps a trainer's epoch transition can be torn, or labelled one epoch ahead of
+        its parameters. A download is therefore accepted only if the epoch the trainers report was the
+        state's epoch just before it and still is ``settle_time`` seconds after it.
+        """
         with self._lock:
-            averager = self.optimizer.state_averager
-            averager.load_state_from_peers(timeout=self.load_state_timeout)
-            if not averager.state_arrived():
-                return None
-            self._adopt_epoch(averager.local_epoch)
-            return self.held_epoch
+            for _ in range(attempts):
+                before = self._reported_epoch()
+                epoch = self._download_once()
+                if epoch is None:
+                    return None
+                time.sleep(self.settle_time)
+                after = self._reported_epoch()
+                if before == epoch == after:
+                    self._adopt_epoch(epoch)
+                    return epoch
+                logger.info("The swarm changed epoch around the download (trainers reported epoch %s before, "
+                            "%s after; the state says %s); downloading again", before, after, epoch)
+            logger.warning("The swarm kept changing epoch during %d downloads; trying again later", attempts)
+            return None
+
+    def _download_once(self) -> Optional[int]:
+        averager = self.optimizer.state_averager
+        averager.load_state_from_peers(timeout=self.load_state_timeout)
+        return averager.local_epoch if averager.state_arrived() else None
+
+    def _reported_epoch(self) -> Optional[int]:
+        """The newest epoch in the trainers' hivemind progress records, read from the DHT now."""
+        tracker = self.optimizer.tracker
+        found = self.optimizer.dht.get(tracker.training_progress_key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return None
+        epochs = [entry.value.get("epoch") for entry in found.value.values() if isinstance(entry.value, dict)]
+        return max((e for e in epochs if isinstance(e, int)), default=None)
 
     def restore(self, state: TrainingState) -> None:
         """Put a checkpoint's state into the optimizer (parameters, statistics, schedule, epoch)."""
@@ -97,3 +128,4 @@ class SwarmReplica:
         if averager.allow_state_sharing != allowed:
             averager.allow_state_sharing = allowed
             logger.debug("Offering our state to joining peers: %s", allowed)
+

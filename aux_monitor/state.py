@@ -34,6 +34,7 @@ class MonitorState:
     swarm: SwarmSnapshot
     checkpoint: Optional[CheckpointInfo] = None
     evaluation: Optional[EvalResult] = None
+    generation: int = 0  # bumped by every update, so readers can tell two states apart
 
 
 class StateHolder:
@@ -49,5 +50,5 @@ class StateHolder:
 
     def update(self, **changes) -> MonitorState:
         with self._lock:
-            self._state = dataclasses.replace(self._state, **changes)
+            self._state = dataclasses.replace(self._state, generation=self._state.generation + 1, **changes)
             return self._state

@@ -46,6 +46,7 @@ def test_metric_names_values_and_types():
     assert samples[("leanhive_eval_loss", ())] == 2.0
     assert samples[("leanhive_eval_perplexity", ())] == pytest.approx(7.389)
     assert samples[("leanhive_last_refresh_timestamp_seconds", ())] == 101.0
+    assert samples[("leanhive_monitor_updates_total", ())] == 0
     assert "# TYPE leanhive_samples_total counter" in text
     assert "# TYPE leanhive_peer_samples_total counter" in text
     assert "# TYPE leanhive_loss gauge" in text

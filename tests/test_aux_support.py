@@ -1,5 +1,7 @@
 """Helpers for the aux-peer tests: headless Chromium, a real Prometheus server, HTTP and /metrics parsing.
 
+Peer processes are started with the shared ``helpers.peers`` / ``helpers.trainer_swarm``.
+
 (No tests in here; the name keeps it with the other aux test files.)
 """
 from __future__ import annotations
@@ -183,3 +185,4 @@ class PrometheusServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
+

@@ -71,6 +71,7 @@ def test_browser_shows_the_same_numbers_as_metrics(server, tmp_path):
     dom = DashboardDom(dump_dom(url + "/", tmp_path / "profile"))
 
     assert dom.body.get("data-rendered") == dom.value("updated")
+    assert int(dom.body["data-generation"]) == metrics[("leanhive_monitor_updates_total", ())]
     assert float(dom.value("updated")) == metrics[("leanhive_last_refresh_timestamp_seconds", ())]
     assert int(dom.value("alive-peers")) == metrics[("leanhive_alive_peers", ())] == 2
     assert dom.text("alive-peers") == "2"
