@@ -536,3 +536,173 @@ def authorization(folder: Path) -> ScenarioResult:
     return ScenarioResult("h. authorization: peer without credentials", survived=_all_checks(details),
                           epochs_lost=0, recover_seconds=None, data_lost=False, details=details,
                           seconds=time.monotonic() - started)
+
+
+# ------------------------------------------------------------------------------------------------ i
+
+
+class _LogCapture:
+    """Collects the log lines of some loggers while a ``with`` block runs."""
+
+    def __init__(self, *names: str):
+        import logging
+
+        self.names, self.lines = names, []
+        self.handler = logging.Handler(level=logging.INFO)
+        self.handler.emit = lambda record: self.lines.append(record.getMessage())
+
+    def __enter__(self) -> "_LogCapture":
+        import logging
+
+        for name in self.names:
+            logging.getLogger(name).addHandler(self.handler)
+            logging.getLogger(name).setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        import logging
+
+        for name in self.names:
+            logging.getLogger(name).removeHandler(self.handler)
+
+    def take(self) -> List[str]:
+        lines, self.lines = self.lines, []
+        return lines
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "bytes changed":
+        middle = len(data) // 2
+        path.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 16]) + data[middle + 16:])
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "garbage":
+        path.write_bytes(b"\x00not a checkpoint\xff" * 64)
+    elif how == "deleted":
+        path.unlink()
+    else:
+        raise ValueError(how)
+
+
+DAMAGES = ("truncated", "bytes changed", "empty", "garbage")
+
+
+def _backup_cases(folder: Path, details: Dict[str, Any], logs: _LogCapture) -> bool:
+    """Trainer backups (peer.backup) with a real hivemind optimizer: damage the newest, the previous is used."""
+    import shutil
+
+    import hivemind
+
+    from peer import backup
+    from peer.arguments import CollaborationArguments, OptimizerArguments
+    from peer.collaboration import build_optimizer
+    from peer.network import make_validators
+
+    key = hivemind.utils.crypto.RSAPrivateKey()
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=make_validators("i", key)[0])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    opt = build_optimizer(model=model, dht=dht, run_id="i", signing_key=key, batch_size_per_step=4,
+                          collab=CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
+                          optim=OptimizerArguments(), client_mode=False)
+    ok = True
+    try:
+        written = {}
+        for _ in range(2):  # two global epochs, a backup after each: backup.pt (epoch 2), backup.prev.pt (epoch 1)
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            backup.save_backup(str(folder / "pristine"), model, opt)
+            written[opt.local_epoch] = {k: v.clone() for k, v in model.state_dict().items()}
+        results = {}
+        for how in DAMAGES + ("both damaged",):
+            case = folder / how.replace(" ", "_")
+            shutil.copytree(folder / "pristine", case)
+            _damage(case / backup.BACKUP_NAME, "truncated" if how == "both damaged" else how)
+            if how == "both damaged":
+                _damage(case / backup.PREVIOUS_BACKUP_NAME, "bytes changed")
+            with torch.no_grad():
+                model[0].weight.add_(1.0)  # the live state moved on; the backup must bring back epoch 1
+            logs.take()
+            restored = backup.load_backup(str(case), model, opt)
+            lines = logs.take()
+            results[how] = dict(restored=restored, epoch=opt.local_epoch if restored else None, log=lines)
+            if how == "both damaged":
+                ok &= not restored and sum("Ignoring" in line for line in lines) == 2
+            else:
+                ok &= (restored and opt.local_epoch == 1
+                       and all(torch.equal(v, model.state_dict()[k]) for k, v in written[1].items())
+                       and any(backup.BACKUP_NAME in line and "Ignoring" in line for line in lines)
+                       and any(backup.PREVIOUS_BACKUP_NAME in line and "Restored" in line for line in lines))
+        details["backups"] = results
+    finally:
+        opt.shutdown()
+        dht.shutdown()
+    return ok
+
+
+def _checkpoint_cases(folder: Path, details: Dict[str, Any], logs: _LogCapture) -> bool:
+    """Aux checkpoints (aux_monitor.checkpoints): damage the newest, the previous one loads; nothing is deleted."""
+    import shutil
+
+    from aux_monitor.checkpoints import MANIFEST, OPTIMIZER_FILE, CheckpointManager, TrainingState
+    from helpers.trainer_swarm import tiny_model_config
+    from model import LeanGPTForCausalLM
+    from peer.model_setup import load_model_config
+
+    model = LeanGPTForCausalLM(load_model_config(str(tiny_model_config(folder))))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pristine = folder / "checkpoints"
+    manager = CheckpointManager(pristine, keep=3, model_class=LeanGPTForCausalLM)
+    for epoch in (2, 4, 6):
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)
+        manager.save(TrainingState(model=model, optimizer_state=sgd.state_dict(), scheduler_state=None, epoch=epoch,
+                                   loss=1.0, time=time.time()))
+    newest = "epoch_000006"
+    weights = next(p.name for p in (pristine / newest).iterdir() if p.suffix == ".safetensors")
+    cases = [(f"optimizer.pt {how}", OPTIMIZER_FILE, how) for how in DAMAGES]
+    cases += [(f"model weights {how}", weights, how) for how in ("truncated", "bytes changed")]
+    cases += [(f"manifest {how}", MANIFEST, how) for how in ("truncated", "garbage", "deleted")]
+    ok, results = True, {}
+    for name, file, how in cases:
+        case = folder / ("ckpt_" + name.replace(" ", "_"))
+        shutil.copytree(pristine, case)
+        _damage(case / newest / file, how)
+        logs.take()
+        loaded = CheckpointManager(case, keep=3, model_class=LeanGPTForCausalLM).load_newest_valid()
+        lines = logs.take()
+        epoch = None if loaded is None else loaded.state.epoch
+        results[name] = dict(loaded_epoch=epoch, log=[line[:200] for line in lines])
+        ok &= epoch == 4 and any(newest in line and "corrupt" in line for line in lines)
+    # with a damaged newest checkpoint in place, new checkpoints rotate old ones but never the damaged one
+    case = folder / "ckpt_optimizer.pt_truncated"
+    manager = CheckpointManager(case, keep=3, model_class=LeanGPTForCausalLM)
+    for epoch in (8, 10, 12):
+        manager.save(TrainingState(model=model, optimizer_state=sgd.state_dict(), scheduler_state=None, epoch=epoch,
+                                   loss=1.0, time=time.time()))
+    remaining = sorted(p.name for p in manager.list_checkpoints())
+    results["after three more checkpoints"] = remaining
+    ok &= newest in remaining and manager.load_newest_valid().state.epoch == 12
+    details["checkpoints"] = results
+    return ok
+
+
+def corrupt_files(folder: Path) -> ScenarioResult:
+    """i. Corrupt and truncated trainer backups and aux checkpoints: a clear log line, the last good one used,
+    nothing deleted. In this process: a real hivemind optimizer for backups, the aux's CheckpointManager."""
+    from helpers.peers import share_tensors_by_file_descriptor
+
+    started = time.monotonic()
+    share_tensors_by_file_descriptor()
+    folder.mkdir(parents=True, exist_ok=True)
+    details: Dict[str, Any] = {}
+    with _LogCapture("peer.backup", "aux_monitor.checkpoints") as logs:
+        _check(details, "damaged newest backup: logged, the previous backup restored",
+               _backup_cases(folder / "backups", details, logs))
+        _check(details, "damaged newest checkpoint: logged, the previous checkpoint loaded, nothing deleted",
+               _checkpoint_cases(folder, details, logs))
+    return ScenarioResult("i. corrupt/truncated checkpoints and backups", survived=_all_checks(details),
+                          epochs_lost=0, recover_seconds=None, data_lost=not _all_checks(details), details=details,
+                          seconds=time.monotonic() - started)
