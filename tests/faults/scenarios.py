@@ -19,7 +19,7 @@ import torch
 
 from helpers.peers import wait_all
 from helpers.trainer_swarm import epoch_losses
-from tests.faults.swarm import INTERNET, STARTUP, NetemSwarm, SwarmPeer, SwarmSettings, param_distance
+from tests.faults.swarm import INTERNET, STARTUP, NetemSwarm, SwarmPeer, SwarmSettings, param_distance, wait_until
 
 AUX_HOST = 0
 
@@ -36,6 +36,8 @@ class ScenarioResult:
     """Measurements and the checks behind ``survived`` (name -> value), for the report and failing tests."""
     seconds: float = 0.0
     """Wall time the scenario took."""
+    skipped: Optional[str] = None
+    """Why the scenario did not run here (e.g. no network namespaces), or None."""
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -706,3 +708,153 @@ def corrupt_files(folder: Path) -> ScenarioResult:
     return ScenarioResult("i. corrupt/truncated checkpoints and backups", survived=_all_checks(details),
                           epochs_lost=0, recover_seconds=None, data_lost=not _all_checks(details), details=details,
                           seconds=time.monotonic() - started)
+
+
+# ------------------------------------------------------------------------------------------------ d, e
+
+
+def _metric(page: Optional[str], name: str) -> Optional[float]:
+    import re
+
+    match = re.search(rf"^leanhive_{name} ([0-9.eE+-]+)$", page or "", re.M)
+    return float(match.group(1)) if match else None
+
+
+def _verified_checkpoints(directory: Path) -> Dict[str, bool]:
+    """Checkpoint directory name -> whether every file matches its manifest (without loading the model)."""
+    from aux_monitor.checkpoints import CheckpointError, CheckpointManager
+
+    manager = CheckpointManager.__new__(CheckpointManager)  # verify_files needs no state; no cleanup on create
+    result = {}
+    for path in sorted(directory.glob("epoch_*")):
+        try:
+            manager.verify_files(path)
+            result[path.name] = True
+        except CheckpointError:
+            result[path.name] = False
+    return result
+
+
+def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
+    """d. The aux peer is SIGKILLed (right after it downloaded a state to checkpoint) and restarted with
+    --resume: no checkpoint is lost and its metrics resume.
+    e. Then every trainer is SIGKILLed and new ones (fresh disks) start: they continue from the aux peer's
+    checkpoint epoch, not from scratch. One swarm for both (3 peers over 20 Mbit/s, 100 ms RTT)."""
+    started = time.monotonic()
+    # epochs long enough for the aux peer to download a settled state over this link (about 4 s)
+    settings = SwarmSettings(run_id="auxrestart", target_batch_size=128)
+    checkpoints = folder / "checkpoints"
+    aux_flags = ["--checkpoint_every", "2", "--keep_checkpoints", "50"]
+    d: Dict[str, Any] = {"link": INTERNET.describe()}
+    e: Dict[str, Any] = {"link": INTERNET.describe()}
+    d_recover = e_recover = None
+    e_lost, d_lost, e_data_lost = 0, False, False
+    with NetemSwarm(folder, 5, settings, INTERNET) as swarm:
+        aux = swarm.start_aux(AUX_HOST, "aux", checkpoint_dir=checkpoints, extra=aux_flags)
+        join = aux.initial_peers(STARTUP)
+        old = _start_trainers(swarm, ["t1", "t2"], [1, 2], join)
+        trainer_join = old[0].initial_peers(STARTUP)
+        try:
+            aux.wait_for(r"Saved checkpoint of epoch", timeout=240)
+            aux.wait_for(r"Downloaded the swarm's state of epoch", timeout=120,
+                         count=aux.log().count("Downloaded the swarm's state of epoch") + 1)
+        except (TimeoutError, RuntimeError) as error:
+            d["error"] = str(error)[-300:]
+        before_page = swarm.scrape_metrics(aux)
+        aux.kill()  # SIGKILL, most likely while it writes the checkpoint of the state it just downloaded
+        killed_at = time.time()
+        aux.wait_until_gone(timeout=15)
+        epoch_at_kill = max(t.last_epoch() for t in old)
+        before = _verified_checkpoints(checkpoints)
+        d.update(checkpoints_before_kill=before, unfinished_write_at_kill=bool(list(checkpoints.glob(".tmp-*"))),
+                 metrics_epoch_before_kill=_metric(before_page, "global_epoch"), swarm_epoch_at_kill=epoch_at_kill)
+        time.sleep(5.0)
+        restarted = swarm.start_aux(AUX_HOST, "aux-restarted", checkpoint_dir=checkpoints,
+                                    initial_peers=trainer_join, extra=[*aux_flags, "--resume"])
+        restarted.folder = aux.folder  # same identity (peer ID) as before the crash
+        try:
+            restarted.wait_for(r"Resumed from", timeout=STARTUP)
+            page = wait_until(lambda: (lambda p: p if (_metric(p, "global_epoch") or -1) > epoch_at_kill else None)(
+                swarm.scrape_metrics(restarted)), timeout=120, interval=1.0, what="metrics past the crash epoch")
+            d_recover = time.time() - killed_at
+            d["metrics_epoch_after_restart"] = _metric(page, "global_epoch")
+            restarted.wait_for(r"Saved checkpoint of epoch", timeout=120)
+        except (TimeoutError, RuntimeError) as error:
+            d["error"] = str(error)[-300:]
+        after = _verified_checkpoints(checkpoints)
+        d["checkpoints_after_restart"] = after
+        lost = [name for name, ok in before.items() if ok and not after.get(name)]
+        d_lost = bool(lost)
+        _check(d, "every checkpoint written before the crash is still there and intact", not lost)
+        _check(d, "no unfinished checkpoint write is left", not list(checkpoints.glob(".tmp-*")))
+        _check(d, "the restarted aux peer resumed from its newest checkpoint", "Resumed from" in restarted.log())
+        _check(d, "metrics resumed past the crash epoch", d_recover is not None)
+        _check(d, "a new checkpoint was written after the restart",
+               len(after) > len(before) or any(ok and name not in before for name, ok in after.items()))
+        _check(d, "the trainers kept training", all(t.last_epoch() > epoch_at_kill for t in old))
+
+        # e. every trainer dies at once; new ones with empty disks join through the aux peer
+        last_epoch = max(t.last_epoch() for t in old)
+        last_losses = [epoch_losses(t.log()) for t in old]
+        e["last_loss_before"] = min(l[max(l)] for l in last_losses if l)
+        for trainer in old:
+            trainer.kill()
+        wiped_at = time.time()
+        newest_checkpoint = max((int(n.split("_")[1].split(".")[0]) for n, ok in
+                                 _verified_checkpoints(checkpoints).items() if ok), default=0)
+        e.update(swarm_epoch_at_wipeout=last_epoch, newest_checkpoint_epoch=newest_checkpoint)
+        time.sleep(5.0)
+        fresh = _start_trainers(swarm, ["n1", "n2"], [3, 4], [*restarted.initial_peers(10), *join])
+        try:
+            joined = [int(t.wait_for(r"Loaded the swarm's state: now at global epoch (\d+)", timeout=STARTUP).group(1))
+                      for t in fresh]
+            e["joined_at_epochs"] = joined
+            for trainer in fresh:
+                trainer.wait_for(r"Global epoch \d+ done", timeout=120)
+            first_done = min(min(t.epochs_done().values()) for t in fresh)
+            e_recover = first_done - wiped_at
+            e_lost = max(0, last_epoch - min(joined))
+            e_data_lost = min(joined) < newest_checkpoint
+            _check(e, "new trainers continued from the aux checkpoint's epoch (or later)", not e_data_lost)
+            first_losses = [epoch_losses(t.log()) for t in fresh]
+            e["first_loss_after"] = max(l[min(l)] for l in first_losses)
+            _check(e, "training did not start over (loss near where it stopped)",
+                   e["first_loss_after"] < e["last_loss_before"] + 0.3)
+        except (TimeoutError, RuntimeError) as error:
+            e["error"] = str(error)[-300:]
+            _check(e, "new trainers joined and trained", False)
+        codes = _stop_all([*fresh, restarted])
+        e["exit_codes"] = codes
+        _check(e, "new trainers and the aux peer stopped cleanly", codes == [0, 0, 0])
+    took = time.monotonic() - started
+    return [ScenarioResult("d. kill the aux peer, restart it", survived=_all_checks(d), epochs_lost=0,
+                           recover_seconds=d_recover, data_lost=d_lost, details=d, seconds=took / 2),
+            ScenarioResult("e. every trainer dies, new ones start", survived=_all_checks(e), epochs_lost=e_lost,
+                           recover_seconds=e_recover, data_lost=e_data_lost, details=e, seconds=took / 2)]
+
+
+# ------------------------------------------------------------------------------------------------ matrix
+
+
+@dataclass(frozen=True)
+class Scenario:
+    keys: str
+    """The issue's letters this entry produces results for (d and e share one swarm)."""
+    run: Any
+    """folder -> ScenarioResult or list of them."""
+    fast: bool
+    """Part of the fast subset (CI): loopback only, well under a minute."""
+    needs_netns: bool
+    """Runs peers on emulated links (network namespaces: root and iproute2)."""
+
+
+MATRIX = [
+    Scenario("a", baseline_over_internet, fast=False, needs_netns=True),
+    Scenario("b", kill_during_allreduce, fast=False, needs_netns=True),
+    Scenario("c", partition_and_heal, fast=False, needs_netns=True),
+    Scenario("de", aux_restart_and_trainer_replacement, fast=False, needs_netns=True),
+    Scenario("f", poisoned_gradients, fast=False, needs_netns=True),
+    Scenario("g", bad_dht_records, fast=True, needs_netns=False),
+    Scenario("h", authorization, fast=True, needs_netns=False),
+    Scenario("i", corrupt_files, fast=True, needs_netns=False),
+]

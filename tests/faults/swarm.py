@@ -149,7 +149,7 @@ class NetemSwarm:
                       env: Optional[Dict[str, str]] = None) -> SwarmPeer:
         folder = self.folder / name
         args = ["--config", "tiny", *self.settings.flags(self.folder), *self._network_flags(index, name),
-                "--output_dir", str(folder), "--per_device_batch_size", "16", "--startup_wait", "30"]
+                "--output_dir", str(folder), "--per_device_batch_size", "16", "--startup_wait", "120"]
         if initial_peers:
             args += ["--initial_peers", *initial_peers]
         env = {PARAMS_DIR_ENV: str(folder / "params"), **(env or {})}
