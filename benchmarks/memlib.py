@@ -58,6 +58,8 @@ class SavedTensorCounter(contextlib.AbstractContextManager):
     def __init__(self, exclude: set[StorageKey]):
         self.exclude = exclude
         self.saved: dict[StorageKey, int] = {}
+        # "shape dtype" of the first tensor seen on each saved storage, for breakdowns
+        self.described: dict[StorageKey, str] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     @property
@@ -66,9 +68,17 @@ class SavedTensorCounter(contextlib.AbstractContextManager):
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
-        if key is not None and key not in self.exclude:
-            self.saved.setdefault(key, tensor.untyped_storage().nbytes())
+        if key is not None and key not in self.exclude and key not in self.saved:
+            self.saved[key] = tensor.untyped_storage().nbytes()
+            self.described[key] = f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
         return tensor
+
+    def breakdown(self) -> list[tuple[str, int, int]]:
+        """(shape and dtype, number of storages, total bytes), largest total first."""
+        groups: dict[str, list[int]] = {}
+        for key, nbytes in self.saved.items():
+            groups.setdefault(self.described[key], []).append(nbytes)
+        return sorted(((name, len(sizes), sum(sizes)) for name, sizes in groups.items()), key=lambda g: -g[2])
 
     def __enter__(self):
         self._hooks.__enter__()
@@ -196,7 +206,8 @@ def train_step(model: torch.nn.Module, input_ids: torch.Tensor, autocast_dtype: 
 def forward_saved_bytes(model: torch.nn.Module, input_ids: torch.Tensor,
                         autocast_dtype: torch.dtype | None = None) -> int:
     """Bytes saved for backward by forward + loss (the graph is then dropped without backward)."""
-    with SavedTensorCounter(model_state_keys(model)) as counter, resolve_autocast(input_ids.device, autocast_dtype):
+    exclude = model_state_keys(model) | storage_keys([input_ids])
+    with SavedTensorCounter(exclude) as counter, resolve_autocast(input_ids.device, autocast_dtype):
         loss = model(input_ids=input_ids, labels=input_ids).loss
     del loss
     return counter.total_bytes
@@ -217,6 +228,8 @@ class StepMemory:
     activation_peak_bytes: int
     # same peak with the incoming parameter gradients counted (they are added into .grad in place)
     live_peak_bytes: int
+    # saved storages grouped by shape: (shape and dtype, count, bytes), largest first
+    saved_breakdown: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
 
 
 def hook_parameter_gradients(loss: torch.Tensor, params: list[torch.Tensor],
@@ -274,7 +287,7 @@ def measured_step(model: torch.nn.Module, input_ids: torch.Tensor,
         del loss
     zero_grads(model)
     return StepMemory(saved_bytes=saved.total_bytes, activation_peak_bytes=live.activation_peak_bytes,
-                      live_peak_bytes=live.peak_bytes)
+                      live_peak_bytes=live.peak_bytes, saved_breakdown=saved.breakdown())
 
 
 def timed_steps(step: Callable[[], object], device: torch.device, *, warmup: int, steps: int) -> list[float]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import memlib
-from benchmarks.report import Row, add_ratios, depth_table, evaluate_targets, main_table, write_chart, write_json
+from benchmarks.report import Row, add_ratios, breakdown_text, depth_table, evaluate_targets, main_table, write_chart, write_json
 from benchmarks.variants import SIZES, BenchSize, Variant, autocast_variants, base_variants, lean_builder, \
     unavailable_reason
 
@@ -53,6 +53,8 @@ class MemoryBenchConfig:
     # where the rows (JSON) and the chart (PNG) go
     json_path: Path | None = None
     plot_path: Path | None = None
+    # also print what each variant saves for backward, grouped by shape
+    breakdown: bool = False
 
     def __post_init__(self):
         if self.size not in SIZES:
@@ -117,9 +119,9 @@ def measure_variant(variant: Variant, size: BenchSize, device: torch.device, *, 
     release(device)
     per_layer = (memory.saved_bytes - saved_half) / (size.layers - size.half_layers) / size.tokens
     return Row(variant=variant.name, layers=size.layers, tokens=size.tokens, saved_bytes_per_layer_per_token=per_layer,
-               saved_bytes_total=memory.saved_bytes, activation_peak_bytes=memory.activation_peak_bytes,
-               live_peak_bytes=memory.live_peak_bytes, step_seconds=memlib.median(times), step_seconds_all=times,
-               cuda_peak_bytes=cuda_peak, checkpointed=variant.checkpointed,
+               saved_bytes_total=memory.saved_bytes, saved_breakdown=memory.saved_breakdown,
+               activation_peak_bytes=memory.activation_peak_bytes, live_peak_bytes=memory.live_peak_bytes,
+               step_seconds=memlib.median(times), step_seconds_all=times, cuda_peak_bytes=cuda_peak, checkpointed=variant.checkpointed,
                autocast=variant.autocast)
 
 
@@ -141,7 +143,8 @@ def measure_depth_check(depths: tuple[int, int], device: torch.device) -> list[R
         memory = memlib.measured_step(model, input_ids)
         times = memlib.timed_steps(lambda: memlib.train_step(model, input_ids), device, warmup=0, steps=1)
         rows.append(Row(variant=name, kind="depth", layers=layers, tokens=size.tokens,
-                        saved_bytes_total=memory.saved_bytes, activation_peak_bytes=memory.activation_peak_bytes,
+                        saved_bytes_total=memory.saved_bytes, saved_breakdown=memory.saved_breakdown,
+                        activation_peak_bytes=memory.activation_peak_bytes,
                         live_peak_bytes=memory.live_peak_bytes, step_seconds=memlib.median(times),
                         step_seconds_all=times))
         del model
@@ -209,6 +212,9 @@ def run(config: MemoryBenchConfig) -> list[Row]:
     print()
     print(f"Reversible depth check (size {DEPTH_CHECK_SIZE}, target: deepest <= 1.1x shallowest):")
     print(depth_table(rows))
+    if config.breakdown:
+        print("\nSaved for backward, largest groups by shape (whole model, full depth):")
+        print(breakdown_text(rows))
     if size.name != "default":
         print(f"\nNote: the targets are set for --size default; at size {size.name} PASS/FAIL is indicative only.")
     meta = {"size": size.name, "device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads()}
@@ -242,12 +248,15 @@ def parse_args(argv: list[str] | None = None) -> MemoryBenchConfig:
                         help="depths of the reversible growth check at the tiny size (default 4,48)")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     parser.add_argument("--plot", type=Path, help="PNG chart path (default benchmarks/results/memory_<size>.png)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print the largest saved-for-backward tensors of each variant, by shape")
     args = parser.parse_args(argv)
     try:
         return MemoryBenchConfig(
             size=args.size, layers=args.layers, steps=args.steps, warmup=args.warmup, threads=args.threads,
             device=args.device, variants=tuple(args.variants.split(",")) if args.variants else None,
             depth_layers=args.depth_layers, json_path=args.json, plot_path=args.plot,
+            breakdown=args.breakdown,
         )
     except ValueError as error:
         parser.error(str(error))

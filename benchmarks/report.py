@@ -21,8 +21,10 @@ class Row:
     # bytes saved for backward per layer per token: (saved at full - at half depth) / layers / tokens;
     # for depth rows, the same difference between the two depths of the check
     saved_bytes_per_layer_per_token: float | None = None
-    # bytes saved for backward by the whole model at `layers` depth
+    # bytes saved for backward by the whole model at `layers` depth, and grouped by shape:
+    # [shape and dtype, number of storages, bytes], largest first
     saved_bytes_total: int | None = None
+    saved_breakdown: list = dataclasses.field(default_factory=list)
     # peak live tensor bytes during forward + loss + backward, parameters and gradients excluded
     activation_peak_bytes: int | None = None
     # the same peak counting the parameter gradients backward adds into the pre-allocated .grad
@@ -163,6 +165,17 @@ def depth_table(rows: list[Row]) -> str:
                       _fmt(row.activation_peak_bytes, MIB, 2), _fmt(row.peak_ratio), _fmt(row.step_seconds, 1, 3),
                       row.verdict])
     return _table(header, lines)
+
+
+def breakdown_text(rows: list[Row], top: int = 8) -> str:
+    """The largest groups of saved storages (by shape) of each measured row, whole model at full depth."""
+    lines = []
+    for row in rows:
+        if row.skipped is None and row.saved_breakdown:
+            lines.append(f"{row.variant} ({row.layers} layers, {row.saved_bytes_total / KIB:.1f} KiB saved):")
+            lines += [f"    {count:4d} x {shape:<28} {nbytes / KIB:10.1f} KiB"
+                      for shape, count, nbytes in row.saved_breakdown[:top]]
+    return "\n".join(lines)
 
 
 def write_json(rows: list[Row], path: Path, meta: dict) -> None:
