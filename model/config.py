@@ -66,8 +66,11 @@ class LeanTransformerConfig(PretrainedConfig):
         custom_ffn: bool = True,
         custom_attention: bool = True,
         checkpoint_layers: bool = False,
-        # tokens per chunk of the chunked LM loss; full (tokens x vocab) logits are never alive
-        loss_chunk_size: int = 4096,
+        # tokens per chunk of the chunked LM loss: full (tokens x vocab) logits are never alive;
+        # 0 = plain autograd loss over full logits (the reference)
+        loss_chunk_size: int = 1024,
+        # token-type (segment) embeddings, e.g. 2 for ALBERT sentence pairs; 0 = none
+        type_vocab_size: int = 0,
         tie_word_embeddings: bool = True,
         pad_token_id: int | None = 0,
         bos_token_id: int | None = 1,
@@ -102,6 +105,7 @@ class LeanTransformerConfig(PretrainedConfig):
         self.custom_attention = custom_attention
         self.checkpoint_layers = checkpoint_layers
         self.loss_chunk_size = loss_chunk_size
+        self.type_vocab_size = type_vocab_size
         super().__init__(
             tie_word_embeddings=tie_word_embeddings,
             pad_token_id=pad_token_id,
@@ -117,16 +121,19 @@ class LeanTransformerConfig(PretrainedConfig):
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field, its value and what is valid."""
-
-        def positive(name):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
         for name in ("vocab_size", "hidden_size", "embedding_size", "num_hidden_layers",
-                     "num_attention_heads", "intermediate_size", "max_position_embeddings",
-                     "num_hidden_groups", "loss_chunk_size"):
-            positive(name)
+                     "num_attention_heads", "intermediate_size", "max_position_embeddings", "num_hidden_groups"):
+            _check_int(self, name, minimum=1)
+        for name in ("loss_chunk_size", "adapter_dim", "block_size", "lowrank_dim", "type_vocab_size"):
+            _check_int(self, name, minimum=0)
+        for name in ("gated_ffn", "fp32_residual", "share_large_matrices", "reversible", "custom_ffn",
+                     "custom_attention", "checkpoint_layers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("layer_norm_eps", "initializer_range", "rotary_base"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -141,15 +148,12 @@ class LeanTransformerConfig(PretrainedConfig):
                 raise ValueError(f"unknown {name}={getattr(self, name)!r}; valid values: {', '.join(valid)}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {value}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
         if self.num_hidden_layers % self.num_hidden_groups:
             raise ValueError(f"num_hidden_layers ({self.num_hidden_layers}) must be a multiple of "
-                             f"num_hidden_groups ({self.num_hidden_groups})")
-        for name in ("adapter_dim", "block_size", "lowrank_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer (0 disables it), got {value!r}")
+                             f"num_hidden_groups ({self.num_hidden_groups}); e.g. num_hidden_groups=1 shares "
+                             "one set of layer parameters across all layers")
         if self.adapter_dim and not self.share_large_matrices:
             raise ValueError("adapter_dim > 0 needs share_large_matrices=True (adapters are added to shared matrices)")
         if self.lowrank_dim and not self.block_size:
@@ -162,3 +166,10 @@ class LeanTransformerConfig(PretrainedConfig):
         if self.reversible and self.checkpoint_layers:
             raise ValueError("reversible=True already recomputes activations; it cannot be combined with "
                              "checkpoint_layers=True: pick one")
+
+
+def _check_int(config: LeanTransformerConfig, name: str, minimum: int) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else "a non-negative integer (0 disables it)"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
