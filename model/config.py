@@ -159,13 +159,27 @@ class LeanTransformerConfig(PretrainedConfig):
         if self.lowrank_dim and not self.block_size:
             raise ValueError("lowrank_dim > 0 is the low-rank term of PixelFly layers: set block_size > 0 too")
         if self.block_size:
-            for dim_name in ("hidden_size", "intermediate_size"):
-                if getattr(self, dim_name) % self.block_size:
-                    raise ValueError(f"{dim_name} ({getattr(self, dim_name)}) must be divisible by "
-                                     f"block_size ({self.block_size}) for PixelFly layers")
+            self._validate_pixelfly_shapes()
         if self.reversible and self.checkpoint_layers:
             raise ValueError("reversible=True already recomputes activations; it cannot be combined with "
                              "checkpoint_layers=True: pick one")
+
+    def projection_shapes(self) -> dict:
+        """(in_features, out_features) of every projection in a layer, by name."""
+        hidden, inner = self.hidden_size, self.intermediate_size
+        return {"qkv": (hidden, 3 * hidden), "out": (hidden, hidden),
+                "up": (hidden, inner * (2 if self.gated_ffn else 1)), "down": (inner, hidden)}
+
+    def _validate_pixelfly_shapes(self) -> None:
+        from model.pixelfly import butterfly_block_layout  # raises ValueError naming valid sizes
+
+        for name, (fan_in, fan_out) in self.projection_shapes().items():
+            try:
+                butterfly_block_layout(fan_out, fan_in, self.block_size)
+            except ValueError as error:
+                raise ValueError(f"block_size={self.block_size} does not fit the {name} projection "
+                                 f"({fan_in} -> {fan_out}) of hidden_size={self.hidden_size}, intermediate_size="
+                                 f"{self.intermediate_size}: {error}") from error
 
 
 def _check_int(config: LeanTransformerConfig, name: str, minimum: int) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from model.config import LeanTransformerConfig
+from model.linear import make_linear
 from model.ops.attention import AttentionSpec, attention_custom, attention_plain
 from model.ops.dropout import draw_seed
 from model.ops.ffn import FFNSpec, ffn_custom, ffn_plain
@@ -22,10 +23,6 @@ from model.ops.rotary import RotaryTables
 def make_projection(config: LeanTransformerConfig, in_features: int, out_features: int,
                     shared: Optional[nn.Module] = None) -> nn.Module:
     """A dense, PixelFly or shared + adapter projection, as the config asks."""
-    if not config.block_size and shared is None:
-        return nn.Linear(in_features, out_features)
-    from model.linear import make_linear  # PixelFly / shared-matrix layers
-
     return make_linear(in_features, out_features, block_size=config.block_size, lowrank_dim=config.lowrank_dim,
                        shared=shared, adapter_dim=config.adapter_dim)
 

@@ -15,17 +15,14 @@ from revlib.core import ReversibleModule, replace_grad
 
 from model.config import LeanTransformerConfig
 from model.layers import LeanLayer
+from model.linear import make_shared_matrix
 from model.ops.rotary import RotaryTables
 
 
 def _make_shared_matrices(config: LeanTransformerConfig) -> Dict[str, nn.Module]:
-    from model.linear import make_shared_matrix  # PixelFly / shared-matrix layers
-
-    hidden, inner = config.hidden_size, config.intermediate_size
-    shapes = {"qkv": (hidden, 3 * hidden), "out": (hidden, hidden),
-              "up": (hidden, inner * (2 if config.gated_ffn else 1)), "down": (inner, hidden)}
+    """One matrix per projection kind; each AdaptedLinear registers it (state_dict lists it once)."""
     return {name: make_shared_matrix(fan_in, fan_out, block_size=config.block_size, lowrank_dim=config.lowrank_dim)
-            for name, (fan_in, fan_out) in shapes.items()}
+            for name, (fan_in, fan_out) in config.projection_shapes().items()}
 
 
 class LayerStack(nn.Module):
@@ -35,8 +32,8 @@ class LayerStack(nn.Module):
         super().__init__()
         self.num_layers = config.num_hidden_layers
         self.layers_per_group = config.num_hidden_layers // config.num_hidden_groups
-        self.shared = nn.ModuleDict(_make_shared_matrices(config)) if config.share_large_matrices else None
-        shared = dict(self.shared) if self.shared is not None else None
+        # not registered here: the layers' AdaptedLinear modules register (and save) them
+        shared = _make_shared_matrices(config) if config.share_large_matrices else None
         # a reversible stack adds residuals through revlib's coupling, so sub-layers return f(x) only
         self.groups = nn.ModuleList(LeanLayer(config, shared, residual=not config.reversible)
                                     for _ in range(config.num_hidden_groups))
