@@ -118,11 +118,11 @@ def measure_variant(variant: Variant, size: BenchSize, device: torch.device, *, 
     del half
     release(device)
     per_layer = (memory.saved_bytes - saved_half) / (size.layers - size.half_layers) / size.tokens
-    return Row(variant=variant.name, layers=size.layers, tokens=size.tokens, saved_bytes_per_layer_per_token=per_layer,
+    return Row(variant=variant.name, layers=size.layers, tokens=size.tokens, checkpointed=variant.checkpointed,
+               autocast=variant.autocast, saved_bytes_per_layer_per_token=per_layer,
                saved_bytes_total=memory.saved_bytes, saved_breakdown=memory.saved_breakdown,
                activation_peak_bytes=memory.activation_peak_bytes, live_peak_bytes=memory.live_peak_bytes,
-               step_seconds=memlib.median(times), step_seconds_all=times, cuda_peak_bytes=cuda_peak, checkpointed=variant.checkpointed,
-               autocast=variant.autocast)
+               step_seconds=memlib.median(times), step_seconds_all=times, cuda_peak_bytes=cuda_peak)
 
 
 def measure_depth_check(depths: tuple[int, int], device: torch.device) -> list[Row]:
@@ -177,10 +177,10 @@ def selected_variants(config: MemoryBenchConfig, device: torch.device) -> list[V
 
 def header_lines(config: MemoryBenchConfig, device: torch.device) -> list[str]:
     size = config.bench_size
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     return [
         f"command: {shlex.join([Path(sys.executable).name, '-m', 'benchmarks.memory', *sys.argv[1:]])}",
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {device}"
-        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f" ({platform.processor() or platform.machine()})"),
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {device} ({hardware})",
         f"size {size.name}: hidden {size.hidden_size}, heads {size.num_heads}, FFN {size.intermediate_size}, "
         f"seq {size.seq_len}, batch {size.batch_size}, vocab {size.vocab_size}, layers {size.layers} "
         f"(per-layer figures: {size.layers} vs {size.half_layers} layers), fp32"

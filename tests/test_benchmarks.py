@@ -125,3 +125,17 @@ def test_cli_smoke_tiny(tmp_path):
     assert measured["hf_gpt2_eager"]["saved_ratio"] == 1.0
     assert measured["lean_default"]["memory_reference"] == "hf_gpt2_eager"
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback of --device cuda")
+def test_cli_cuda_request_falls_back_to_cpu_and_says_so(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory", "--size", "tiny", "--steps", "1", "--warmup", "0",
+         "--threads", "1", "--device", "cuda", "--variants", "hf_gpt2_sdpa", "--depth-layers", "1,2",
+         "--plot", str(tmp_path / "chart.png")],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "CUDA requested but not available: running on CPU." in result.stdout
+    assert "Skipped on CPU (CUDA only)" in result.stdout
+    assert "| hf_gpt2_sdpa |" in result.stdout and "_bf16" not in result.stdout
