@@ -40,8 +40,9 @@ class MemoryBenchConfig:
     # full depth override (half depth is layers // 2); None keeps the preset's depth
     layers: int | None = None
     # timed steps per variant (the median is reported) and untimed warm-up steps before them
+    # (the instrumented step already runs first, so it warms up too)
     steps: int = 3
-    warmup: int = 1
+    warmup: int = 0
     # torch intra-op threads
     threads: int = os.cpu_count() or 1
     # "cpu" or "cuda"; cuda adds torch.cuda.max_memory_allocated and bf16/fp16 autocast rows
@@ -239,7 +240,8 @@ def parse_args(argv: list[str] | None = None) -> MemoryBenchConfig:
     parser.add_argument("--size", default="default", choices=list(SIZES), help="model/batch size preset")
     parser.add_argument("--layers", type=int, help="full depth (half depth = layers // 2); default: the preset's")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (median reported)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps before the timed ones")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="extra untimed steps before the timed ones (the instrumented step always runs first)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda adds max_memory_allocated and bf16/fp16 autocast rows")
