@@ -2,7 +2,7 @@
 # Create .venv (if missing) and install LeanHive from pyproject.toml, the one dependency list.
 # Usage: scripts/setup_env.sh [--test]   (--test also installs test extras and system packages)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$(readlink -f "$0")")/.."
 extras=""
 if [ "${1:-}" = "--test" ]; then
   extras="[test]"
@@ -26,3 +26,14 @@ fi
 # torch first and pinned, so nothing below can pull a different (CUDA) build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".${extras}"
+if [ -n "$extras" ] && [ ! -f .venv/compose_spec.json ]; then
+  # The official Compose JSON schema (as shipped in docker-compose 1.29.2's wheel) for tests/test_docker.py;
+  # fetched, not vendored, and never installed (its pins clash with ours).
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .venv/downloads "docker-compose==1.29.2"
+  .venv/bin/python - <<'PY'
+import glob, zipfile
+wheel = glob.glob(".venv/downloads/docker_compose-1.29.2-*.whl")[0]
+with zipfile.ZipFile(wheel) as z, open(".venv/compose_spec.json", "wb") as out:
+    out.write(z.read("compose/config/compose_spec.json"))
+PY
+fi
