@@ -68,7 +68,7 @@ class LeanTransformerConfig(PretrainedConfig):
         checkpoint_layers: bool = False,
         # tokens per chunk of the chunked LM loss: full (tokens x vocab) logits are never alive;
         # 0 = plain autograd loss over full logits (the reference)
-        loss_chunk_size: int = 1024,
+        loss_chunk_size: int = 256,
         # token-type (segment) embeddings, e.g. 2 for ALBERT sentence pairs; 0 = none
         type_vocab_size: int = 0,
         tie_word_embeddings: bool = True,

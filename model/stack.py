@@ -64,13 +64,39 @@ class LayerStack(nn.Module):
         # Both streams start from the input; stream sums reproduce x + f1 + g1 + ... (see lean_transformer).
         # Wrappers are rebuilt per call: they hold no parameters and capture the current autocast state.
         savings = self.reversible_memory_savings and torch.is_grad_enabled()
-        wrappers = [ReversibleModule(sub, memory_savings=savings) for sub in self._sublayers()]
+        autocast = _AutocastState.current(hidden.device.type)
+        wrappers = [ReversibleModule(_WithAutocast(sub, autocast), memory_savings=savings) for sub in self._sublayers()]
         zeros = torch.zeros_like(hidden)
         streams = (hidden, hidden, zeros, zeros) if savings else (hidden, hidden)
         for wrapper in wrappers:
             streams = wrapper(streams, rotary, key_padding_mask)
         out0, out1 = replace_grad(*streams) if savings else streams[:2]
         return out0 + out1 - hidden
+
+
+class _AutocastState:
+    def __init__(self, device_type: str, enabled: bool, dtype: torch.dtype):
+        self.device_type, self.enabled, self.dtype = device_type, enabled, dtype
+
+    @classmethod
+    def current(cls, device_type: str) -> "_AutocastState":
+        return cls(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+    def context(self):
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+
+
+class _WithAutocast(nn.Module):
+    """Runs a sub-layer under the autocast state of the forward pass, also when revlib recomputes it
+    in backward (revlib's autograd Function would otherwise recompute it in full precision)."""
+
+    def __init__(self, sublayer: nn.Module, autocast: _AutocastState):
+        super().__init__()
+        self.sublayer, self.autocast = sublayer, autocast
+
+    def forward(self, hidden, rotary, key_padding_mask):
+        with self.autocast.context():
+            return self.sublayer(hidden, rotary, key_padding_mask)
 
 
 def _checkpoint(layer: nn.Module, hidden, rotary, key_padding_mask):

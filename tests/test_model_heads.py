@@ -176,3 +176,18 @@ def test_apply_memory_options_validates_and_keeps_unset_options():
         apply_memory_options(reversible, checkpoint_layers=True)
     with pytest.raises(ValueError, match="LayerStack"):
         apply_memory_options(torch.nn.Linear(2, 2), custom_ffn=True)
+
+
+def test_reversible_backward_recomputes_under_the_forward_autocast_state():
+    model = LeanGPTForCausalLM(small_config(reversible=True))
+    ids = _ids()
+    states = []
+    hooks = [module.register_forward_pre_hook(lambda *_: states.append(torch.is_autocast_enabled("cpu")))
+             for module in model.modules() if isinstance(module, (LeanSelfAttention, LeanFFN))]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    forward_calls = len(states)
+    loss.backward()
+    for hook in hooks:
+        hook.remove()
+    assert len(states) == 2 * forward_calls and all(states)  # every sub-layer recomputed, under autocast

@@ -87,7 +87,8 @@ def test_chunked_loss_gradcheck(with_bias):
     bias = torch.randn(11, dtype=DTYPE, requires_grad=True) if with_bias else None
     labels = torch.randint(0, 11, (9,))
     labels[[1, 5]] = -100
-    assert torch.autograd.gradcheck(ChunkedLMLossFunction.apply, (hidden, weight, bias, labels, 4, DTYPE))
+    needs = (True, True, with_bias)
+    assert torch.autograd.gradcheck(ChunkedLMLossFunction.apply, (hidden, weight, bias, labels, 4, DTYPE, needs))
 
 
 def test_rotary_inverse_is_transpose():
@@ -122,3 +123,21 @@ def test_attention_cores_match_reference(causal, padding, core, monkeypatch):
     assert torch.allclose(out, expected, rtol=1e-10, atol=1e-12)
     for grad, expected_grad in zip(grads, expected_grads):
         assert torch.allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_core_keeps_low_precision_inputs_accurate(monkeypatch):
+    """bf16 inputs: scores, softmax and accumulators run in fp32 (the chunked core serves GPUs)."""
+    monkeypatch.setattr("model.ops.attention_core.use_flash", lambda q, seed: False)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 64, 16, dtype=DTYPE, requires_grad=True) for _ in range(3))
+    expected = attention_reference(q, k, v, True, None, 0.0, None)
+    grad_out = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
+    low = [t.detach().to(torch.bfloat16) for t in (q, k, v)]
+    out, lse = attention_forward(*low, True, None, 0.0, None)
+    grads = attention_backward(grad_out.to(torch.bfloat16), *low, out, lse, True, None, 0.0, None)
+    assert lse.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert torch.allclose(out.double(), expected, atol=3e-2)
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert grad.dtype == torch.bfloat16
+        assert torch.allclose(grad.double(), expected_grad, atol=5e-2, rtol=5e-2)

@@ -50,6 +50,12 @@ def _heads_first(heads: torch.Tensor):
     return tuple(heads[:, :, index].transpose(1, 2) for index in range(3))
 
 
+def _unflatten_heads(flat: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[batch, seq, hidden] -> view [batch, heads, seq, head_dim]."""
+    b, s, hidden = flat.shape
+    return flat.reshape(b, s, num_heads, hidden // num_heads).transpose(1, 2)
+
+
 def attention_plain(x, norm_w, norm_b, sandwich_w, sandwich_b, cos, sin, key_padding_mask,
                     spec: AttentionSpec) -> torch.Tensor:
     """Plain-autograd reference: materialises the attention probabilities."""
@@ -102,19 +108,18 @@ class LeanAttentionFunction(torch.autograd.Function):
         compute = spec.compute
         x, qkv, attn_flat, lse, cos, sin, key_padding_mask, pre_sandwich = ctx.saved_tensors
         norm_w, norm_b = ctx.norm
-        b, s, hidden_size = attn_flat.shape
         with no_autocast(compute.device_type):
             grad_y, grad_sw, grad_sb = tail_backward(grad_out, pre_sandwich, *ctx.sandwich, spec.eps,
                                                      spec.dropout_p, spec.dropout_seed, compute.dtype)
             grad_attn_flat, out_grads = project_backward(spec.out, attn_flat, grad_y, compute)
             del grad_y
-            head_dim = hidden_size // spec.num_heads
-            to_bhsd = lambda t: t.reshape(b, s, spec.num_heads, head_dim).transpose(1, 2)  # noqa: E731
             q, k, v = _heads_first(_split_heads(qkv, spec.num_heads))
-            grads_qkv = attention_backward(to_bhsd(grad_attn_flat), q, k, v, to_bhsd(attn_flat), lse, spec.causal,
+            grads_qkv = attention_backward(_unflatten_heads(grad_attn_flat, spec.num_heads), q, k, v,
+                                           _unflatten_heads(attn_flat, spec.num_heads), lse, spec.causal,
                                            key_padding_mask, spec.attn_dropout_p, spec.attn_dropout_seed)
             del grad_attn_flat
-            grad_heads = torch.empty_like(qkv).view(b, s, 3, spec.num_heads, head_dim)
+            grad_qkv = torch.empty_like(qkv)
+            grad_heads = _split_heads(grad_qkv, spec.num_heads)
             for index, grad in enumerate(grads_qkv):  # back to [batch, seq, heads, dim], un-rotating q and k
                 target = grad_heads[:, :, index]
                 if cos is not None and index < 2:
@@ -124,8 +129,8 @@ class LeanAttentionFunction(torch.autograd.Function):
             del grads_qkv
             normed, mean, rstd = layer_norm_with_stats(x, norm_w, norm_b, spec.eps)
             grad_normed, qkv_grads = project_backward(spec.qkv, normed.to(compute.dtype),
-                                                      grad_heads.view(b, s, 3 * hidden_size), compute)
-            del normed, grad_heads
+                                                      grad_qkv, compute)
+            del normed, grad_qkv, grad_heads
             grad_x, grad_nw, grad_nb = norm_input_backward(grad_normed, x, mean, rstd, norm_w, norm_b,
                                                            grad_out, spec.residual)
         return (grad_x, grad_nw, grad_nb, grad_sw, grad_sb, None, None, None, None, *qkv_grads, *out_grads)

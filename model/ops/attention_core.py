@@ -41,8 +41,12 @@ def use_flash(q: torch.Tensor, dropout_seed: Optional[int]) -> bool:
     return q.device.type == "cpu" and dropout_seed is None
 
 
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # scores, softmax and accumulators in >= fp32
+
+
 def _masked_scores(q_chunk, k, start: int, causal: bool, padding: Optional[torch.Tensor], scale: float):
-    scores = torch.matmul(q_chunk, k.transpose(-1, -2)).mul_(scale)
+    scores = torch.matmul(q_chunk, k.transpose(-1, -2)).to(_softmax_dtype(q_chunk.dtype)).mul_(scale)
     if causal:
         rows = torch.arange(start, start + q_chunk.shape[-2], device=q_chunk.device)
         future = torch.arange(k.shape[-2], device=q_chunk.device)[None, :] > rows[:, None]
@@ -60,13 +64,13 @@ def attention_forward(q, k, v, causal: bool, key_padding_mask: Optional[torch.Te
                       dropout_seed: Optional[int], scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, logsumexp); out is [batch, heads, seq, head_dim] laid out in memory as [batch, seq, heads, dim]."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    padding = additive_padding_mask(key_padding_mask, q.dtype)
     if use_flash(q, dropout_seed):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=padding, scale=scale)
+            q, k, v, 0.0, causal, attn_mask=additive_padding_mask(key_padding_mask, q.dtype), scale=scale)
+    padding = additive_padding_mask(key_padding_mask, _softmax_dtype(q.dtype))
     b, h, s, d = q.shape
     out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
-    lse = torch.empty(b, h, s, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, s, dtype=_softmax_dtype(q.dtype), device=q.device)
     for index, (start, end) in enumerate(query_chunks(b, h, s, k.shape[-2])):
         scores = _masked_scores(q[:, :, start:end], k, start, causal, padding, scale)
         chunk_lse = torch.logsumexp(scores, dim=-1)
@@ -74,7 +78,7 @@ def attention_forward(q, k, v, causal: bool, key_padding_mask: Optional[torch.Te
         probs = scores.sub_(chunk_lse[..., None]).exp_()
         if dropout_seed is not None:
             probs.mul_(_chunk_keep_mask(probs.shape, dropout_p, dropout_seed, index, q.device, q.dtype))
-        out[:, :, start:end] = torch.matmul(probs, v)
+        out[:, :, start:end] = torch.matmul(probs.to(v.dtype), v)
         lse[:, :, start:end] = chunk_lse
     return out, lse
 
@@ -84,33 +88,37 @@ def attention_backward(grad_out, q, k, v, out, lse, causal: bool, key_padding_ma
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_q, grad_k, grad_v) with probabilities recomputed chunk by chunk."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    padding = additive_padding_mask(key_padding_mask, q.dtype)
     if use_flash(q, dropout_seed):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=padding, scale=scale)
+            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=additive_padding_mask(key_padding_mask, q.dtype),
+            scale=scale)
+    accumulate = _softmax_dtype(q.dtype)
+    padding = additive_padding_mask(key_padding_mask, accumulate)
     b, h, s, d = q.shape
     grad_q = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
-    grad_k = torch.zeros_like(k)
-    grad_v = torch.zeros_like(v)
+    grad_k = torch.zeros_like(k, dtype=accumulate)
+    grad_v = torch.zeros_like(v, dtype=accumulate)
     # rowsum(dP * P) equals rowsum(dO * O) with or without dropout on P
-    delta = (grad_out * out).sum(-1, keepdim=True)
+    delta = (grad_out.to(accumulate) * out.to(accumulate)).sum(-1, keepdim=True)
     for index, (start, end) in enumerate(query_chunks(b, h, s, k.shape[-2])):
         q_chunk, grad_out_chunk = q[:, :, start:end], grad_out[:, :, start:end]
         scores = _masked_scores(q_chunk, k, start, causal, padding, scale)
         probs = scores.sub_(lse[:, :, start:end, None]).exp_()
-        grad_probs = torch.matmul(grad_out_chunk, v.transpose(-1, -2))
+        grad_probs = torch.matmul(grad_out_chunk, v.transpose(-1, -2)).to(accumulate)
         if dropout_seed is not None:
             mask = _chunk_keep_mask(probs.shape, dropout_p, dropout_seed, index, q.device, q.dtype)
-            grad_v.add_(torch.matmul((probs * mask).transpose(-1, -2), grad_out_chunk))
+            dropped = probs * mask
             grad_probs.mul_(mask)
             del mask
         else:
-            grad_v.add_(torch.matmul(probs.transpose(-1, -2), grad_out_chunk))
-        grad_scores = grad_probs.sub_(delta[:, :, start:end]).mul_(probs).mul_(scale)
+            dropped = probs
+        grad_v.add_(torch.matmul(dropped.transpose(-1, -2).to(v.dtype), grad_out_chunk))
+        del dropped
+        grad_scores = grad_probs.sub_(delta[:, :, start:end]).mul_(probs).mul_(scale).to(q.dtype)
         del probs
         grad_q[:, :, start:end] = torch.matmul(grad_scores, k)
         grad_k.add_(torch.matmul(grad_scores.transpose(-1, -2), q_chunk))
-    return grad_q, grad_k, grad_v
+    return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
 def attention_reference(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tensor], dropout_p: float,

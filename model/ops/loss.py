@@ -1,8 +1,12 @@
 """Token-level cross-entropy over a (tied) output embedding, computed in chunks of tokens.
 
-``ChunkedLMLossFunction`` never materialises (tokens x vocab) logits for the whole batch: forward
-keeps only the per-chunk loss sum, backward recomputes each chunk's logits, turns them into the
-softmax gradient in place and folds it into the hidden and weight gradients before the next chunk.
+``ChunkedLMLossFunction`` never materialises (tokens x vocab) logits for the whole batch. Each chunk's
+logits are turned into the softmax gradient right away, in forward, and folded into the gradients of
+the hidden states and of the output embedding; backward only scales them by the incoming gradient.
+So the logits are computed once (no recomputation: the head costs what plain autograd costs) and at
+most one chunk of them is alive. The price: the weight gradient (vocab x dim, the gradient backward
+would produce anyway) is held from forward until backward, and a forward with labels under
+grad mode does the backward's matmuls too (without grad mode it computes the loss only).
 """
 from __future__ import annotations
 
@@ -34,7 +38,9 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     """
     if chunk_size == 0:
         return _lm_loss_plain(hidden, weight, bias, labels)
-    return ChunkedLMLossFunction.apply(hidden, weight, bias, labels, chunk_size, _compute_dtype(hidden, weight))
+    needs = [torch.is_grad_enabled() and tensor is not None and tensor.requires_grad for tensor in (hidden, weight, bias)]
+    return ChunkedLMLossFunction.apply(hidden, weight, bias, labels, chunk_size, _compute_dtype(hidden, weight),
+                                       tuple(needs))
 
 
 def _lm_loss_plain(hidden, weight, bias, labels):
@@ -45,59 +51,59 @@ def _lm_loss_plain(hidden, weight, bias, labels):
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
-def _chunk_logits(hidden_chunk, weight, bias, dtype):
-    logits = F.linear(hidden_chunk.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-    return logits.to(_logits_dtype(dtype))
-
-
 class ChunkedLMLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_size: int, dtype: torch.dtype):
+    def forward(ctx, hidden, weight, bias, labels, chunk_size: int, dtype: torch.dtype, needs: tuple):
+        need_hidden, need_weight, need_bias = needs
+        float_dtype = _logits_dtype(dtype)
         valid = labels != IGNORE_INDEX
         count = valid.sum().clamp(min=1)
-        total = torch.zeros((), dtype=_logits_dtype(dtype), device=hidden.device)
+        total = torch.zeros((), dtype=float_dtype, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=float_dtype) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=float_dtype) if need_bias else None
+        weight_c = weight.to(dtype)
+        bias_c = None if bias is None else bias.to(dtype)
         with no_autocast(hidden.device.type):
             for start in range(0, hidden.shape[0], chunk_size):
                 end = start + chunk_size
-                logits = _chunk_logits(hidden[start:end], weight, bias, dtype)
-                chunk_labels = labels[start:end].clamp(min=0)
-                token_loss = torch.logsumexp(logits, dim=-1) - logits.gather(1, chunk_labels[:, None])[:, 0]
-                total += token_loss.masked_fill_(~valid[start:end], 0.0).sum()
-                del logits
-        ctx.chunk_size, ctx.dtype, ctx.bias = chunk_size, dtype, bias
-        ctx.weight = weight  # a parameter: kept by reference, not an activation
-        ctx.save_for_backward(hidden, labels)
+                hidden_chunk = hidden[start:end].to(dtype)
+                logits = F.linear(hidden_chunk, weight_c, bias_c).to(float_dtype)
+                targets = labels[start:end].clamp(min=0)[:, None]
+                chunk_valid = valid[start:end, None]
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                total += ((lse - logits.gather(1, targets)) * chunk_valid).sum()
+                if not any(needs):
+                    continue
+                grad_logits = logits.sub_(lse).exp_()  # softmax, in place
+                grad_logits.scatter_add_(1, targets, torch.full_like(lse, -1.0))
+                grad_logits.mul_(chunk_valid / count)
+                if grad_bias is not None:
+                    grad_bias += grad_logits.sum(0)
+                grad_logits_c = grad_logits.to(dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = grad_logits_c @ weight_c
+                if grad_weight is not None:
+                    grad_weight.addmm_(grad_logits.t(), hidden_chunk.to(float_dtype))
+                del logits, grad_logits, grad_logits_c
+        ctx.param_grads = (grad_weight, grad_bias)  # parameter gradients (not activations), handed over in backward
+        ctx.save_for_backward(grad_hidden)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total / count
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, labels = ctx.saved_tensors
-        weight, bias, dtype = ctx.weight, ctx.bias, ctx.dtype
-        valid = labels != IGNORE_INDEX
-        scale = grad_loss.to(_logits_dtype(dtype)) / valid.sum().clamp(min=1)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=_logits_dtype(dtype)) if ctx.needs_input_grad[1] else None
-        grad_bias = (torch.zeros_like(bias, dtype=_logits_dtype(dtype))
-                     if bias is not None and ctx.needs_input_grad[2] else None)
-        with no_autocast(hidden.device.type):
-            for start in range(0, hidden.shape[0], ctx.chunk_size):
-                end = start + ctx.chunk_size
-                hidden_chunk = hidden[start:end].to(dtype)
-                logits = _chunk_logits(hidden_chunk, weight, bias, dtype)
-                grad_logits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()  # softmax in place
-                del logits
-                rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
-                grad_logits[rows, labels[start:end].clamp(min=0)] -= 1.0
-                grad_logits.mul_((valid[start:end, None] * scale).to(grad_logits.dtype))
-                if grad_bias is not None:
-                    grad_bias += grad_logits.sum(0)
-                grad_logits = grad_logits.to(dtype)
-                if grad_hidden is not None:
-                    grad_hidden[start:end] = grad_logits @ weight.to(dtype)
-                if grad_weight is not None:
-                    grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), hidden_chunk.to(grad_weight.dtype))
-                del grad_logits
-        return (grad_hidden,
-                None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype),
-                None, None, None)
+        (grad_hidden,) = ctx.saved_tensors
+        grad_weight, grad_bias = ctx.param_grads
+        weight_dtype, bias_dtype = ctx.dtypes
+        # the usual loss.backward() passes exactly 1: hand over the precomputed gradients without a copy
+        # (ctx keeps a reference, so autograd never adds into them in place and backward can run again)
+        scale = None if bool(grad_loss == 1) else grad_loss
+
+        def scaled(grad, dtype):
+            if grad is None:
+                return None
+            return (grad if scale is None else grad * scale.to(grad.dtype)).to(dtype)
+
+        return (scaled(grad_hidden, grad_hidden.dtype if grad_hidden is not None else None),
+                scaled(grad_weight, weight_dtype), scaled(grad_bias, bias_dtype), None, None, None, None)

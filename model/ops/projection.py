@@ -9,7 +9,7 @@ Function, and needs nothing from the module except its registered parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -76,17 +76,9 @@ def project_backward(module: nn.Module, x: torch.Tensor, grad_y: torch.Tensor, c
         x_leaf = x.detach().requires_grad_(need_input_grad)
         with ctx.autocast_context():
             y = module(x_leaf)
-        inputs = [t for t in ([x_leaf] if need_input_grad else []) + [p for p in params if p.requires_grad]]
+        inputs = ([x_leaf] if need_input_grad else []) + [p for p in params if p.requires_grad]
         computed = iter(torch.autograd.grad(y, inputs, grad_y.to(y.dtype), allow_unused=True))
     grad_x = next(computed) if need_input_grad else None
     grads = [next(computed) if p.requires_grad else None for p in params]
     return grad_x, grads
 
-
-def split_grads(grads: Sequence[Optional[torch.Tensor]], sizes: Sequence[int]) -> List[List[Optional[torch.Tensor]]]:
-    """Split a flat list of parameter grads into per-module lists of the given sizes."""
-    out, start = [], 0
-    for size in sizes:
-        out.append(list(grads[start:start + size]))
-        start += size
-    return out
