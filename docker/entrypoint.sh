@@ -6,6 +6,7 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 data="${LEANHIVE_DATA:-/data}"
 p2p_port="${LEANHIVE_P2P_PORT:-31337}"
 metrics_port="${LEANHIVE_METRICS_PORT:-9100}"
+listen_host="${LEANHIVE_LISTEN_HOST:-0.0.0.0}"  # tests use 127.0.0.1
 python="${LEANHIVE_PYTHON:-python}"
 
 usage() {
@@ -22,14 +23,14 @@ case "$role" in
   trainer)
     export LEANHIVE_ROLE=trainer
     exec "$python" "$here/run_trainer.py" \
-      --host_maddrs "/ip4/0.0.0.0/tcp/${p2p_port}" \
+      --host_maddrs "/ip4/${listen_host}/tcp/${p2p_port}" \
       --identity_path "${data}/trainer_identity.key" \
       --output_dir "${data}/trainer" "$@"
     ;;
   aux)
     export LEANHIVE_ROLE=aux
     exec "$python" "$here/run_aux_peer.py" \
-      --host_maddrs "/ip4/0.0.0.0/tcp/${p2p_port}" \
+      --host_maddrs "/ip4/${listen_host}/tcp/${p2p_port}" \
       --identity_path "${data}/aux_identity.key" \
       --checkpoint_dir "${data}/checkpoints" \
       --metrics_port "${metrics_port}" "$@"

@@ -2,7 +2,7 @@
 # Create .venv (if missing) and install LeanHive from pyproject.toml, the one dependency list.
 # Usage: scripts/setup_env.sh [--test]   (--test also installs test extras and system packages)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$(readlink -f "$0")")/.."
 extras=""
 if [ "${1:-}" = "--test" ]; then
   extras="[test]"

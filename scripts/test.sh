@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's test command: install everything, then run the whole test suite.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$(readlink -f "$0")")/.."
 bash scripts/setup_env.sh --test
 exec .venv/bin/python -m pytest "$@"
