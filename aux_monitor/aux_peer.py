@@ -73,6 +73,13 @@ def build_validation_set(data: DataArguments, vocab_size: int) -> list:
     return blocks
 
 
+def factory_has_auxiliary_mode() -> bool:
+    """Whether the trainers' optimizer factory can build hivemind's auxiliary mode (``auxiliary=True``)."""
+    from peer.collaboration import build_optimizer
+
+    return "auxiliary" in inspect.signature(build_optimizer).parameters
+
+
 def build_auxiliary_optimizer(*, assist: bool, **factory_kwargs) -> hivemind.Optimizer:
     """The trainers' own optimizer factory (same run_id, parameter groups, target batch, compression), never training.
 
@@ -82,7 +89,7 @@ def build_auxiliary_optimizer(*, assist: bool, **factory_kwargs) -> hivemind.Opt
     """
     from peer.collaboration import build_optimizer
 
-    if "auxiliary" in inspect.signature(build_optimizer).parameters:
+    if factory_has_auxiliary_mode():
         return build_optimizer(**factory_kwargs, batch_size_per_step=None, client_mode=False, auxiliary=True)
     if assist:
         raise ValueError("--assist_in_averaging needs peer.collaboration.build_optimizer(auxiliary=True), which "

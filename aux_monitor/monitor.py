@@ -42,6 +42,7 @@ class AuxMonitor:
         self.last_checkpoint_epoch: Optional[int] = None
         self.last_eval_epoch: Optional[int] = None
         self._last_logged_epoch: Optional[int] = None
+        self.trainers_online = threading.Event()  # assisting only makes sense while trainers are averaging
         if (args.eval_every > 0) != (validation is not None):
             raise ValueError("pass a validation set exactly when eval_every > 0")
 
@@ -71,6 +72,12 @@ class AuxMonitor:
             logger.log(level, "Epoch %d: %d peers online, loss %s, %.1f samples/s", snapshot.global_epoch,
                        snapshot.alive_peers, "n/a" if snapshot.loss is None else f"{snapshot.loss:.4f}",
                        snapshot.samples_per_second)
+
+        if snapshot.alive_peers > 0:
+            self.trainers_online.set()
+        else:
+            self.trainers_online.clear()
+            self.replica.serve_held_state()  # an assisting aux must still restore an emptied swarm
 
         epoch = max(self.replica.swarm_epoch, snapshot.global_epoch or 0)
         want_checkpoint = self.checkpoints is not None and is_due(epoch, self.last_checkpoint_epoch,
@@ -124,6 +131,8 @@ class AuxMonitor:
     def run_assist(self, stop: threading.Event) -> None:
         """Join the trainers' averaging rounds (the auxiliary optimizer's step) until ``stop`` is set."""
         while not stop.wait(self.args.assist_refresh):
+            if not self.trainers_online.is_set():
+                continue
             try:
                 self.replica.assist_step()
             except Exception:

@@ -19,49 +19,23 @@ import torch
 
 from aux_monitor.checkpoints import MANIFEST
 from model import LeanGPTForCausalLM
-from helpers.peers import PeerProcess, kill_all
-from helpers.trainer_swarm import start_trainer, tiny_model_config
+from helpers.peers import kill_all
+from helpers.trainer_swarm import start_trainer
 from test_aux_support import (
     ARTIFACTS,
+    RUN_ID,
     DashboardDom,
     PrometheusServer,
+    api_state,
+    checkpoint_dirs,
     dump_dom,
     free_port,
-    http_get,
+    peer_report,
     scrape,
     screenshot,
+    start_aux,
     wait_for,
 )
-
-RUN_ID = "auxtest"
-CHECKPOINT_EVERY = 2
-
-
-def start_aux(name, folder, port, *extra):
-    """An aux peer on the trainers' run preset (so collaboration/optimizer settings match theirs)."""
-    args = ["--config", "tiny", "--model_config", tiny_model_config(folder), "--run_id", RUN_ID,
-            "--refresh_period", "1", "--alive_window", "15", "--metrics_host", "127.0.0.1", "--metrics_port", port,
-            "--checkpoint_dir", folder / "ckpt", "--checkpoint_every", CHECKPOINT_EVERY, "--keep_checkpoints", 3,
-            "--download_settle_time", 0.5, *extra]
-    return PeerProcess(args, name=name, log_path=folder / f"{name}.log", script="run_aux_peer.py").start()
-
-
-def api_state(url):
-    return json.loads(http_get(url + "/api/state")[1])
-
-
-def checkpoint_dirs(tmp_path):
-    root = tmp_path / "ckpt"
-    return sorted(p.name for p in root.iterdir() if p.name.startswith("epoch_")) if root.exists() else []
-
-
-def peer_report(url, exclude, min_epoch=0):
-    """The first trainer not in ``exclude`` that has published metrics: (label, epoch, loss)."""
-    for peer in api_state(url)["swarm"]["peers"]:
-        if peer["peer"] not in exclude and peer["loss"] is not None and peer["epoch"] >= min_epoch:
-            return peer["peer"], peer["epoch"], peer["loss"]
-    return None
-
 
 def check_dashboard_matches_metrics(url, tmp_path):
     """The numbers the page shows (after its scripts ran) are the ones /metrics serves for the same refresh."""
