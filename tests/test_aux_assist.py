@@ -8,9 +8,8 @@ hivemind's auxiliary mode comes from the trainers' optimizer factory; until that
 import pytest
 
 from aux_monitor.aux_peer import factory_has_auxiliary_mode
-from helpers.peers import kill_all
 from helpers.trainer_swarm import start_trainer
-from test_aux_support import RUN_ID, api_state, free_port, peer_report, start_aux, wait_for
+from test_aux_support import RUN_ID, api_state, free_port, peer_report, start_aux, swarm_processes, wait_for
 
 pytestmark = pytest.mark.skipif(not factory_has_auxiliary_mode(),
                                 reason="peer.collaboration.build_optimizer has no auxiliary flag yet")
@@ -21,8 +20,7 @@ pytestmark = pytest.mark.skipif(not factory_has_auxiliary_mode(),
 def test_assisting_aux_joins_averaging_and_restores_an_emptied_swarm(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    procs = []
-    try:
+    with swarm_processes() as procs:
         aux = start_aux("aux", tmp_path, port, "--assist_in_averaging", "--verbose", "--alive_window", 8)
         procs.append(aux)
         addrs = aux.initial_peers(timeout=120)
@@ -48,9 +46,3 @@ def test_assisting_aux_joins_averaging_and_restores_an_emptied_swarm(tmp_path):
                                   what="the new trainer's first metrics")
         assert epoch >= served > 0
         assert abs(loss - last_loss) < abs(loss - first_loss)
-    except BaseException:
-        for proc in procs:
-            print(f"\n===== {proc.name} ({proc.log_path}) =====\n{proc.tail(60)}")
-        raise
-    finally:
-        kill_all(procs)

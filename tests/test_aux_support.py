@@ -6,6 +6,7 @@ Peer processes are started with the shared ``helpers.peers`` / ``helpers.trainer
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -21,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.peers import PeerProcess
+from helpers.peers import PeerProcess, kill_all
 from helpers.trainer_swarm import tiny_model_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +79,20 @@ def start_aux(name: str, folder: Path, port: int, *extra) -> PeerProcess:
             "--checkpoint_dir", folder / "ckpt", "--checkpoint_every", 2, "--keep_checkpoints", 3,
             "--download_settle_time", 0.5, *extra]
     return PeerProcess(args, name=name, log_path=folder / f"{name}.log", script="run_aux_peer.py").start()
+
+
+@contextlib.contextmanager
+def swarm_processes():
+    """A list to put peer processes in: their log tails are printed if the test fails; all are killed after."""
+    procs: List[PeerProcess] = []
+    try:
+        yield procs
+    except BaseException:
+        for proc in procs:
+            print(f"\n===== {proc.name} ({proc.log_path}) =====\n{proc.tail(60)}")
+        raise
+    finally:
+        kill_all(procs)
 
 
 def api_state(url: str) -> dict:
@@ -209,6 +224,12 @@ class PrometheusServer:
         assert status == 200 and data["status"] == "success", body
         result = data["data"]["result"]
         return [(float(t), float(v)) for t, v in result[0]["values"]] if result else []
+
+    def __enter__(self) -> "PrometheusServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def stop(self) -> None:
         if self.process.poll() is None:

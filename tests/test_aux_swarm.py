@@ -19,7 +19,6 @@ import torch
 
 from aux_monitor.checkpoints import MANIFEST
 from model import LeanGPTForCausalLM
-from helpers.peers import kill_all
 from helpers.trainer_swarm import start_trainer
 from test_aux_support import (
     ARTIFACTS,
@@ -34,6 +33,7 @@ from test_aux_support import (
     scrape,
     screenshot,
     start_aux,
+    swarm_processes,
     wait_for,
 )
 
@@ -86,13 +86,10 @@ def watch_backups(path: Path, store: dict) -> None:
 def test_aux_peer_with_trainers(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    procs = []
-    prometheus = None
-    try:
+    with swarm_processes() as procs, PrometheusServer(tmp_path / "prometheus", [f"127.0.0.1:{port}"]) as prometheus:
         # ---------------------------------------------------------------- 1. aux + Prometheus + 2 trainers
         aux = start_aux("aux", tmp_path, port, "--eval_every", 4, "--eval_batch_size", 8, "--eval_max_batches", 4)
         procs.append(aux)
-        prometheus = PrometheusServer(tmp_path / "prometheus", [f"127.0.0.1:{port}"])
         addrs = aux.initial_peers(timeout=120)
         trainers = [start_trainer(tmp_path, f"trainer{i}", RUN_ID, initial_peers=addrs) for i in (1, 2)]
         procs += trainers
@@ -195,11 +192,3 @@ def test_aux_peer_with_trainers(tmp_path):
         assert epoch >= previous_epoch > 0
         assert abs(loss - previous_loss) < abs(loss - first_loss)
         assert newest.name in checkpoint_dirs(tmp_path), "the damaged checkpoint must be left for inspection"
-    except BaseException:
-        for proc in procs:
-            print(f"\n===== {proc.name} ({proc.log_path}) =====\n{proc.tail(60)}")
-        raise
-    finally:
-        if prometheus is not None:
-            prometheus.stop()
-        kill_all(procs)
