@@ -66,8 +66,11 @@ class LeanTransformerConfig(PretrainedConfig):
         custom_ffn: bool = True,
         custom_attention: bool = True,
         checkpoint_layers: bool = False,
-        # tokens per chunk of the chunked LM loss; full (tokens x vocab) logits are never alive
-        loss_chunk_size: int = 4096,
+        # tokens per chunk of the chunked LM loss: full (tokens x vocab) logits are never alive;
+        # 0 = plain autograd loss over full logits (the reference)
+        loss_chunk_size: int = 256,
+        # token-type (segment) embeddings, e.g. 2 for ALBERT sentence pairs; 0 = none
+        type_vocab_size: int = 0,
         tie_word_embeddings: bool = True,
         pad_token_id: int | None = 0,
         bos_token_id: int | None = 1,
@@ -102,6 +105,7 @@ class LeanTransformerConfig(PretrainedConfig):
         self.custom_attention = custom_attention
         self.checkpoint_layers = checkpoint_layers
         self.loss_chunk_size = loss_chunk_size
+        self.type_vocab_size = type_vocab_size
         super().__init__(
             tie_word_embeddings=tie_word_embeddings,
             pad_token_id=pad_token_id,
@@ -117,16 +121,19 @@ class LeanTransformerConfig(PretrainedConfig):
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field, its value and what is valid."""
-
-        def positive(name):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
         for name in ("vocab_size", "hidden_size", "embedding_size", "num_hidden_layers",
-                     "num_attention_heads", "intermediate_size", "max_position_embeddings",
-                     "num_hidden_groups", "loss_chunk_size"):
-            positive(name)
+                     "num_attention_heads", "intermediate_size", "max_position_embeddings", "num_hidden_groups"):
+            _check_int(self, name, minimum=1)
+        for name in ("loss_chunk_size", "adapter_dim", "block_size", "lowrank_dim", "type_vocab_size"):
+            _check_int(self, name, minimum=0)
+        for name in ("gated_ffn", "fp32_residual", "share_large_matrices", "reversible", "custom_ffn",
+                     "custom_attention", "checkpoint_layers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("layer_norm_eps", "initializer_range", "rotary_base"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -141,24 +148,42 @@ class LeanTransformerConfig(PretrainedConfig):
                 raise ValueError(f"unknown {name}={getattr(self, name)!r}; valid values: {', '.join(valid)}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {value}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
         if self.num_hidden_layers % self.num_hidden_groups:
             raise ValueError(f"num_hidden_layers ({self.num_hidden_layers}) must be a multiple of "
-                             f"num_hidden_groups ({self.num_hidden_groups})")
-        for name in ("adapter_dim", "block_size", "lowrank_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer (0 disables it), got {value!r}")
+                             f"num_hidden_groups ({self.num_hidden_groups}); e.g. num_hidden_groups=1 shares "
+                             "one set of layer parameters across all layers")
         if self.adapter_dim and not self.share_large_matrices:
             raise ValueError("adapter_dim > 0 needs share_large_matrices=True (adapters are added to shared matrices)")
         if self.lowrank_dim and not self.block_size:
             raise ValueError("lowrank_dim > 0 is the low-rank term of PixelFly layers: set block_size > 0 too")
         if self.block_size:
-            for dim_name in ("hidden_size", "intermediate_size"):
-                if getattr(self, dim_name) % self.block_size:
-                    raise ValueError(f"{dim_name} ({getattr(self, dim_name)}) must be divisible by "
-                                     f"block_size ({self.block_size}) for PixelFly layers")
+            self._validate_pixelfly_shapes()
         if self.reversible and self.checkpoint_layers:
             raise ValueError("reversible=True already recomputes activations; it cannot be combined with "
                              "checkpoint_layers=True: pick one")
+
+    def projection_shapes(self) -> dict:
+        """(in_features, out_features) of every projection in a layer, by name."""
+        hidden, inner = self.hidden_size, self.intermediate_size
+        return {"qkv": (hidden, 3 * hidden), "out": (hidden, hidden),
+                "up": (hidden, inner * (2 if self.gated_ffn else 1)), "down": (inner, hidden)}
+
+    def _validate_pixelfly_shapes(self) -> None:
+        from model.pixelfly import butterfly_block_layout  # raises ValueError naming valid sizes
+
+        for name, (fan_in, fan_out) in self.projection_shapes().items():
+            try:
+                butterfly_block_layout(fan_out, fan_in, self.block_size)
+            except ValueError as error:
+                raise ValueError(f"block_size={self.block_size} does not fit the {name} projection "
+                                 f"({fan_in} -> {fan_out}) of hidden_size={self.hidden_size}, intermediate_size="
+                                 f"{self.intermediate_size}: {error}") from error
+
+
+def _check_int(config: LeanTransformerConfig, name: str, minimum: int) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else "a non-negative integer (0 disables it)"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")

@@ -1,100 +1,62 @@
-"""Causal-LM and MLM models as Hugging Face PreTrainedModels (plain-autograd first version).
+"""The lean transformer body (``LeanModel``) and its heads as Hugging Face ``PreTrainedModel``s.
 
-The lean (custom-backward, chunked, checkpointed, reversible) paths replace the internals; the
-public API below stays: LeanGPTForCausalLM(config)(input_ids, attention_mask=None, labels=None).loss
+* ``LeanGPTForCausalLM``: causal LM; ``model(input_ids=..., labels=...).loss``.
+* ``LeanAlbertForPreTraining``: bidirectional masked LM + sentence-order prediction.
+
+Both round-trip through ``save_pretrained``/``from_pretrained`` and are registered with the Auto
+classes (see ``model/__init__.py``). Memory options live in ``model.memory.apply_memory_options``.
 """
 from __future__ import annotations
 
-import math
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
+from transformers.utils import ModelOutput
 
 from model.config import LeanTransformerConfig
-
-_ACT = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
-
-
-def rotary_cos_sin(seq_len: int, dim: int, base: float, device, dtype):
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x, cos, sin):
-    # x: [batch, heads, seq, head_dim]; rotate pairs (even, odd) halves
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+from model.ops.activations import activate
+from model.ops.dropout import draw_seed, seeded_dropout
+from model.ops.loss import IGNORE_INDEX, lm_loss
+from model.ops.norm import layer_norm
+from model.ops.projection import ComputeContext
+from model.ops.rotary import rotary_tables
+from model.stack import LayerStack
 
 
-class LeanAttention(nn.Module):
-    def __init__(self, config: LeanTransformerConfig):
-        super().__init__()
-        self.config = config
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.out = nn.Linear(config.hidden_size, config.hidden_size)
-        self.sandwich_norm = (nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-                              if config.norm_scheme == "sandwich" else None)
-
-    def forward(self, hidden, key_padding_mask=None, rotary=None):
-        cfg = self.config
-        b, s, d = hidden.shape
-        q, k, v = self.qkv(self.norm(hidden)).view(b, s, 3, cfg.num_attention_heads, cfg.head_dim).permute(2, 0, 3, 1, 4)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(cfg.head_dim)
-        if cfg.attention_type == "causal":
-            causal = torch.ones(s, s, dtype=torch.bool, device=hidden.device).tril()
-            scores = scores.masked_fill(~causal, float("-inf"))
-        if key_padding_mask is not None:  # [b, s], True = real token
-            scores = scores.masked_fill(~key_padding_mask[:, None, None, :].bool(), float("-inf"))
-        probs = F.dropout(scores.softmax(-1), cfg.attention_probs_dropout_prob, self.training)
-        attn = (probs @ v).transpose(1, 2).reshape(b, s, d)
-        out = F.dropout(self.out(attn), cfg.hidden_dropout_prob, self.training)
-        return self.sandwich_norm(out) if self.sandwich_norm is not None else out
-
-
-class LeanFFN(nn.Module):
-    def __init__(self, config: LeanTransformerConfig):
-        super().__init__()
-        self.config = config
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.up = nn.Linear(config.hidden_size, config.intermediate_size * (2 if config.gated_ffn else 1))
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.sandwich_norm = (nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-                              if config.norm_scheme == "sandwich" else None)
-
-    def forward(self, hidden):
-        act = _ACT[self.config.hidden_act]
-        pre = self.up(self.norm(hidden))
-        if self.config.gated_ffn:
-            gate, up = pre.chunk(2, dim=-1)
-            inner = act(gate) * up
-        else:
-            inner = act(pre)
-        out = F.dropout(self.down(inner), self.config.hidden_dropout_prob, self.training)
-        return self.sandwich_norm(out) if self.sandwich_norm is not None else out
-
-
-class LeanLayer(nn.Module):
-    def __init__(self, config: LeanTransformerConfig):
-        super().__init__()
-        self.attention = LeanAttention(config)
-        self.ffn = LeanFFN(config)
-
-    def forward(self, hidden, key_padding_mask=None, rotary=None):
-        hidden = hidden + self.attention(hidden, key_padding_mask, rotary)
-        return hidden + self.ffn(hidden)
+@contextlib.contextmanager
+def _default_device_and_dtype(device, dtype):
+    """Create parameters directly on ``device`` in ``dtype`` (no full fp32 CPU copy first)."""
+    previous_dtype = torch.get_default_dtype()
+    if dtype is not None:
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point dtype such as torch.bfloat16, got {dtype}")
+        torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_default_dtype(previous_dtype)
 
 
 class LeanPreTrainedModel(PreTrainedModel):
     config_class = LeanTransformerConfig
     base_model_prefix = "transformer"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = False  # use model.memory.apply_memory_options(checkpoint_layers=True)
+
+    @classmethod
+    def build(cls, config: LeanTransformerConfig, *, device=None, dtype: Optional[torch.dtype] = None):
+        """Build the model with parameters allocated directly on ``device`` (e.g. "cuda", "meta") in ``dtype``."""
+        with _default_device_and_dtype(device, dtype):
+            model = cls(config)
+        if dtype is not None:
+            model.config.dtype = dtype
+        return model
 
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -108,41 +70,77 @@ class LeanPreTrainedModel(PreTrainedModel):
 
 
 class LeanModel(LeanPreTrainedModel):
+    """Embeddings -> layer stack -> final layer norm."""
+
     def __init__(self, config: LeanTransformerConfig):
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.embedding_size)
         self.positions = (nn.Embedding(config.max_position_embeddings, config.embedding_size)
                           if config.position_embedding_type == "absolute" else None)
+        self.token_types = (nn.Embedding(config.type_vocab_size, config.embedding_size)
+                            if config.type_vocab_size else None)
         self.embedding_proj = (nn.Linear(config.embedding_size, config.hidden_size)
                                if config.embedding_size != config.hidden_size else None)
-        self.layers = nn.ModuleList([LeanLayer(config) for _ in range(config.num_hidden_layers)])
+        self.stack = LayerStack(config)
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.post_init()
 
-    def forward(self, input_ids, attention_mask=None):
-        b, s = input_ids.shape
+    def get_input_embeddings(self):
+        return self.embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings = value
+
+    def _embed(self, input_ids, token_type_ids):
+        seq_len = input_ids.shape[1]
         hidden = self.embeddings(input_ids)
         if self.positions is not None:
-            hidden = hidden + self.positions(torch.arange(s, device=input_ids.device))
+            if seq_len > self.config.max_position_embeddings:
+                raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
+                                 f"({self.config.max_position_embeddings}); use shorter sequences or rotary positions")
+            hidden = hidden + self.positions(torch.arange(seq_len, device=input_ids.device))
+        if self.token_types is not None:
+            hidden = hidden + self.token_types(
+                token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids))
         if self.embedding_proj is not None:
             hidden = self.embedding_proj(hidden)
+        p = self.config.hidden_dropout_prob
+        return seeded_dropout(hidden, p, draw_seed(p, self.training))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                token_type_ids: Optional[torch.Tensor] = None, **kwargs) -> BaseModelOutput:
+        """attention_mask: [batch, seq], 1 for real tokens and 0 for padding (HF convention)."""
+        hidden = self._embed(input_ids, token_type_ids)
+        if self.config.fp32_residual:  # residual stream in (at least) fp32 whatever the compute dtype
+            hidden = hidden.to(torch.promote_types(hidden.dtype, torch.float32))
+        compute = ComputeContext.current(hidden.device, self.final_norm.weight.dtype)
         rotary = None
         if self.config.position_embedding_type == "rotary":
-            rotary = rotary_cos_sin(s, self.config.head_dim, self.config.rotary_base, hidden.device, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask, rotary)
-        return self.final_norm(hidden)
+            rotary = rotary_tables(input_ids.shape[1], self.config.head_dim, self.config.rotary_base,
+                                   hidden.device, compute.dtype)
+        key_padding_mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            key_padding_mask = attention_mask.bool()
+        hidden = self.stack(hidden, rotary, key_padding_mask)
+        hidden = layer_norm(hidden, self.final_norm.weight, self.final_norm.bias, self.config.layer_norm_eps)
+        return BaseModelOutput(last_hidden_state=hidden)
 
 
 class LeanGPTForCausalLM(LeanPreTrainedModel):
+    """Causal LM; with labels, the loss is chunked and logits are returned only if asked for."""
+
     _tied_weights_keys = {"lm_head.weight": "transformer.embeddings.weight"}
 
     def __init__(self, config: LeanTransformerConfig):
+        if config.attention_type != "causal":
+            raise ValueError(f"LeanGPTForCausalLM needs attention_type='causal', got {config.attention_type!r}; "
+                             "use LeanAlbertForPreTraining for bidirectional attention")
         super().__init__(config)
         self.transformer = LeanModel(config)
-        self.lm_head = nn.Linear(config.embedding_size, config.vocab_size, bias=False)
         self.head_proj = (nn.Linear(config.hidden_size, config.embedding_size)
                           if config.embedding_size != config.hidden_size else None)
+        self.lm_head = nn.Linear(config.embedding_size, config.vocab_size, bias=False)
+        self.loss_chunk_size = config.loss_chunk_size
         self.post_init()
 
     def get_input_embeddings(self):
@@ -151,12 +149,87 @@ class LeanGPTForCausalLM(LeanPreTrainedModel):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
-        hidden = self.transformer(input_ids, attention_mask)
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, return_logits: bool = False, **kwargs) -> CausalLMOutput:
+        """labels: [batch, seq] token ids (usually input_ids); position t predicts labels[:, t + 1].
+
+        Labels equal to -100, and labels at padded positions (attention_mask == 0), are ignored.
+        Logits are returned when no labels are given or when return_logits=True.
+        """
+        hidden = self.transformer(input_ids, attention_mask).last_hidden_state
         if self.head_proj is not None:
-            hidden = self.head_proj(hidden)
-        logits = self.lm_head(hidden)
-        loss = None
+            hidden = self.head_proj(hidden.to(self.head_proj.weight.dtype))
+        loss = logits = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+            if attention_mask is not None:
+                labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+            targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # shift targets, not hidden (no copy)
+            loss = lm_loss(hidden.flatten(0, 1), self.lm_head.weight, None, targets.flatten(), self.loss_chunk_size)
+        if labels is None or return_logits:
+            logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
         return CausalLMOutput(loss=loss, logits=logits)
+
+
+@dataclass
+class LeanAlbertForPreTrainingOutput(ModelOutput):
+    loss: Optional[torch.Tensor] = None
+    mlm_loss: Optional[torch.Tensor] = None
+    sop_loss: Optional[torch.Tensor] = None
+    prediction_logits: Optional[torch.Tensor] = None
+    sop_logits: Optional[torch.Tensor] = None
+
+
+class LeanAlbertForPreTraining(LeanPreTrainedModel):
+    """Masked LM (tied decoder) + sentence-order prediction on the first token."""
+
+    _tied_weights_keys = {"mlm_decoder.weight": "transformer.embeddings.weight"}
+
+    def __init__(self, config: LeanTransformerConfig):
+        if config.attention_type != "bidirectional":
+            raise ValueError(f"LeanAlbertForPreTraining needs attention_type='bidirectional', got "
+                             f"{config.attention_type!r}; use LeanGPTForCausalLM for causal attention")
+        super().__init__(config)
+        self.transformer = LeanModel(config)
+        self.mlm_dense = nn.Linear(config.hidden_size, config.embedding_size)
+        self.mlm_norm = nn.LayerNorm(config.embedding_size, eps=config.layer_norm_eps)
+        self.mlm_decoder = nn.Linear(config.embedding_size, config.vocab_size)
+        self.sop_pooler = nn.Linear(config.hidden_size, config.hidden_size)
+        self.sop_classifier = nn.Linear(config.hidden_size, 2)
+        self.loss_chunk_size = config.loss_chunk_size
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.transformer.embeddings
+
+    def get_output_embeddings(self):
+        return self.mlm_decoder
+
+    def _mlm_transform(self, hidden):
+        hidden = activate(self.mlm_dense(hidden.to(self.mlm_dense.weight.dtype)), self.config.hidden_act, False)
+        return self.mlm_norm(hidden)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                token_type_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                sentence_order_label: Optional[torch.Tensor] = None, return_logits: bool = False,
+                **kwargs) -> LeanAlbertForPreTrainingOutput:
+        """labels: [batch, seq] original ids at masked positions, -100 elsewhere; sentence_order_label:
+        [batch], 0 = segments in order, 1 = swapped. The MLM head runs only on labelled positions."""
+        hidden = self.transformer(input_ids, attention_mask, token_type_ids).last_hidden_state
+        mlm_loss = sop_loss = prediction_logits = None
+        if labels is not None:
+            flat_labels = labels.flatten()
+            selected = (flat_labels != IGNORE_INDEX).nonzero()[:, 0]
+            mlm_hidden = self._mlm_transform(hidden.flatten(0, 1).index_select(0, selected))
+            mlm_loss = lm_loss(mlm_hidden, self.mlm_decoder.weight, self.mlm_decoder.bias,
+                               flat_labels.index_select(0, selected), self.loss_chunk_size)
+        if labels is None or return_logits:
+            prediction_logits = self.mlm_decoder(self._mlm_transform(hidden))
+        pooled = torch.tanh(self.sop_pooler(hidden[:, 0].to(self.sop_pooler.weight.dtype)))
+        sop_logits = self.sop_classifier(pooled)
+        if sentence_order_label is not None:
+            sop_loss = F.cross_entropy(sop_logits.to(torch.promote_types(sop_logits.dtype, torch.float32)),
+                                       sentence_order_label.flatten())
+        losses = [value for value in (mlm_loss, sop_loss) if value is not None]
+        return LeanAlbertForPreTrainingOutput(loss=sum(losses) if losses else None, mlm_loss=mlm_loss,
+                                              sop_loss=sop_loss, prediction_logits=prediction_logits,
+                                              sop_logits=sop_logits)

@@ -167,7 +167,8 @@ class TrainingArguments:
     custom_attention: Optional[bool] = None
     """Use the memory-lean attention with hand-written backward (None keeps the model config's choice)."""
     loss_chunk_size: Optional[int] = None
-    """Tokens per chunk of the LM loss, so full logits never exist at once (None keeps the config's value)."""
+    """Tokens per chunk of the LM loss, so full logits never exist at once; 0 computes full logits
+    (None keeps the config's value)."""
     init_seed: int = 0
     """Seed of the model initialization (the same on every peer, so epoch-0 parameters agree)."""
     backup_every_epochs: int = 5
@@ -186,8 +187,8 @@ class TrainingArguments:
         _require(isinstance(self.backup_every_epochs, int) and self.backup_every_epochs >= 0,
                  f"backup_every_epochs must be an integer >= 0 (0 disables backups), got {self.backup_every_epochs!r}")
         _require(self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        _require(self.loss_chunk_size is None or self.loss_chunk_size >= 1,
-                 f"loss_chunk_size must be a positive integer, got {self.loss_chunk_size!r}")
+        _require(self.loss_chunk_size is None or self.loss_chunk_size >= 0,
+                 f"loss_chunk_size must be a number of tokens >= 0 (0: full logits), got {self.loss_chunk_size!r}")
         _require(self.torch_threads is None or self.torch_threads >= 1,
                  f"torch_threads must be a positive integer, got {self.torch_threads!r}")
         _require(bool(self.model_config), "model_config must name a preset (e.g. tiny) or a JSON file")

@@ -140,9 +140,13 @@ class LeanHiveOptimizer(hivemind.Optimizer):
 
 
 def build_optimizer(*, model: torch.nn.Module, dht: hivemind.DHT, run_id: str, signing_key: RSAPrivateKey,
-                    batch_size_per_step: int, collab: CollaborationArguments, optim: OptimizerArguments,
-                    client_mode: bool, reuse_grad_buffers: bool = False) -> LeanHiveOptimizer:
-    """The collaborative optimizer: 8-bit LAMB offloaded to the CPU, averaged across the swarm."""
+                    batch_size_per_step: Optional[int], collab: CollaborationArguments, optim: OptimizerArguments,
+                    client_mode: bool, reuse_grad_buffers: bool = False, auxiliary: bool = False) -> LeanHiveOptimizer:
+    """The collaborative optimizer: 8-bit LAMB offloaded to the CPU, averaged across the swarm.
+
+    Auxiliary peers (aux_monitor) pass ``auxiliary=True`` and ``batch_size_per_step=None``: they build the
+    same parameter groups and optimizer state (so states can be exchanged) but never accumulate gradients.
+    """
     compression = make_compression(collab)
     allreduce_timeout = collab.allreduce_timeout or collab.averaging_timeout
     # averager_opts reach only the state averager; the gradient averager gets the same through its factory
@@ -166,6 +170,7 @@ def build_optimizer(*, model: torch.nn.Module, dht: hivemind.DHT, run_id: str, s
         delay_grad_averaging=collab.delay_grad_averaging,
         average_state_every=collab.average_state_every,
         client_mode=client_mode,
+        auxiliary=auxiliary,
         grad_compression=compression,
         grad_averager_factory=grad_averager_factory,
         state_averaging_compression=compression,
@@ -214,6 +219,10 @@ def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str,
     the download retried a few times before training on with the local state (logged as a warning).
     """
     progress = optimizer.tracker.global_progress
+    if progress.num_peers > 0 and optimizer.local_epoch > progress.epoch:
+        logger.info("The local backup (epoch %d) is ahead of the swarm (epoch %d): the others will load it",
+                    optimizer.local_epoch, progress.epoch)
+        return False
     others = (progress.num_peers > 0 or progress.epoch > optimizer.local_epoch
               or count_other_state_sharing_peers(dht, run_id) > 0)
     if not others:

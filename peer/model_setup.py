@@ -2,38 +2,22 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from model import LeanGPTForCausalLM, LeanTransformerConfig
+from model import LeanGPTForCausalLM, LeanTransformerConfig, load_config
+from model import apply_memory_options as model_memory_options
 from peer.arguments import TrainingArguments
 
 logger = logging.getLogger(__name__)
 
-MODEL_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
-
 
 def load_model_config(name_or_path: str) -> LeanTransformerConfig:
     """A preset name (configs/model/<name>.json) or a JSON path; ValueError says what is available."""
-    try:
-        from model.presets import load_config  # the model package's own preset loader, when present
-    except ImportError:
-        load_config = None
-    if load_config is not None:
-        return load_config(name_or_path)
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = MODEL_PRESET_DIR / f"{name_or_path}.json"
-    if not path.is_file():
-        available = sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.json")) if MODEL_PRESET_DIR.is_dir() else []
-        raise ValueError(f"model_config {name_or_path!r}: no such preset or JSON file; available presets: "
-                         f"{', '.join(available) or 'none'} (or give a path to a config .json)")
-    return LeanTransformerConfig(**json.loads(path.read_text()))
+    return load_config(name_or_path)
 
 
 @dataclass
@@ -74,14 +58,8 @@ def apply_memory_options(model: torch.nn.Module, args: TrainingArguments) -> Non
     """The one place where memory options are applied to a built model (model/ owns how)."""
     options = {name: getattr(args, name) for name in ("checkpoint_layers", "custom_ffn", "custom_attention",
                                                       "loss_chunk_size") if getattr(args, name) is not None}
-    apply = getattr(model, "apply_memory_options", None)
-    if apply is not None:
-        apply(**options)
-    elif options:
-        # the plain reference model reads these from its config; set them there until the lean model lands
-        for name, value in options.items():
-            setattr(model.config, name, value)
     if options:
+        model_memory_options(model, **options)
         logger.info("Memory options: %s", ", ".join(f"{k}={v}" for k, v in options.items()))
 
 

@@ -87,9 +87,9 @@ def test_forged_records_are_rejected(swarm):
     (first, first_key), (second, second_key) = swarm[0]
     rogue = swarm[1]
     good = _good_metrics().dict()
-    # an honest peer cannot write under another peer's key: it has nothing to sign it with
-    assert not second.store(metrics_key(RUN_ID), subkey=first_key, value=good,
-                            expiration_time=get_dht_time() + 60)
+    # an honest peer cannot write under another peer's key: it has nothing to sign it with (its store()
+    # may still report success: the rogue node keeps anything; what matters is what honest peers accept)
+    second.store(metrics_key(RUN_ID), subkey=first_key, value=good, expiration_time=get_dht_time() + 60)
     # a rogue node without validators stores an unsigned record claiming the first peer's identity,
     # and one under a made-up subkey without any public key
     rogue.store(metrics_key(RUN_ID), subkey=first_key, value=good, expiration_time=get_dht_time() + 60)
