@@ -110,17 +110,9 @@ class SwarmReplica:
             self.optimizer.step()
             self._update_sharing()  # hivemind advances our epoch label without touching our parameters
 
-    def serve_held_state(self) -> None:
-        """Offer the held state under its own epoch again (assisting moved our epoch label past it).
-
-        Called when no trainer is online, so that trainers joining an empty swarm continue from it.
-        """
-        with self._lock:
-            if self.held_epoch is None or self.optimizer.local_epoch == self.held_epoch:
-                return
-            self.optimizer.state_averager.local_epoch = self.held_epoch
-            self._adopt_epoch(self.held_epoch)
-        logger.info("No trainer online: offering the state of epoch %d to joining trainers", self.held_epoch)
+    def exclusive(self) -> threading.RLock:
+        """Hold this while using a downloaded state: no download, restore or assist step runs meanwhile."""
+        return self._lock
 
     def _adopt_epoch(self, epoch: int) -> None:
         self.held_epoch = epoch

@@ -1,18 +1,11 @@
 """--assist_in_averaging with real trainers: the aux peer joins their all-reduce rounds (adding a reducer,
-contributing no data), training still converges, and once every trainer is gone it serves its newest
-checkpointed state again so a new trainer continues from it.
-
-hivemind's auxiliary mode comes from the trainers' optimizer factory; until that factory has its
-``auxiliary`` flag, the aux peer can only observe, and this test is skipped (with that reason).
+contributing no data), training still converges, and once every trainer is gone (killed mid-round) it
+offers its newest verified checkpoint, so a new trainer continues from it.
 """
 import pytest
 
-from aux_monitor.aux_peer import factory_has_auxiliary_mode
 from helpers.trainer_swarm import start_trainer
 from test_aux_support import RUN_ID, api_state, free_port, peer_report, start_aux, swarm_processes, wait_for
-
-pytestmark = pytest.mark.skipif(not factory_has_auxiliary_mode(),
-                                reason="peer.collaboration.build_optimizer has no auxiliary flag yet")
 
 
 @pytest.mark.slow
@@ -39,7 +32,7 @@ def test_assisting_aux_joins_averaging_and_restores_an_emptied_swarm(tmp_path):
 
         for trainer in trainers:
             trainer.kill()
-        served = int(aux.wait_for(r"No trainer online: offering the state of epoch (\d+)", timeout=60).group(1))
+        served = int(aux.wait_for(r"No trainer online: offering the checkpoint of epoch (\d+)", timeout=60).group(1))
         newcomer = start_trainer(tmp_path, "trainer3", RUN_ID, initial_peers=addrs)
         procs.append(newcomer)
         _, epoch, loss = wait_for(lambda: peer_report(url, old_peers), timeout=120,
