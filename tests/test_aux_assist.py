@@ -23,10 +23,10 @@ def test_assisting_aux_joins_averaging_and_restores_an_emptied_swarm(tmp_path):
 
         # the aux peer takes part in the trainers' gradient all-reduce: a group of three
         aux.wait_for(r"Averaged gradients with 3 peers", timeout=150)
-        wait_for(lambda: len(api_state(url)["swarm"]["epochs"]) >= 7 and api_state(url)["checkpoint"], timeout=150,
-                 what="seven epochs of metrics and a checkpoint")
+        wait_for(lambda: len(api_state(url)["swarm"]["epochs"]) >= 10 and api_state(url)["checkpoint"], timeout=180,
+                 what="ten epochs of metrics and a checkpoint")
         epochs = [e for e in api_state(url)["swarm"]["epochs"] if e["loss"] is not None]
-        assert epochs[-1]["loss"] < epochs[0]["loss"] - 0.3, [round(e["loss"], 3) for e in epochs]
+        assert epochs[-1]["loss"] < epochs[0]["loss"] - 0.25, [round(e["loss"], 3) for e in epochs]
         old_peers = {p["peer"] for p in api_state(url)["swarm"]["peers"]}
         last_loss, first_loss = epochs[-1]["loss"], epochs[0]["loss"]
 

@@ -97,14 +97,14 @@ def test_aux_peer_with_trainers(tmp_path):
         aux.wait_for("Serving the dashboard", timeout=120)
         started = time.time()
 
-        wait_for(lambda: scrape(url + "/metrics").get(("leanhive_global_epoch", ()), -1) >= 7, timeout=200,
-                 interval=1, what="the swarm to report epoch 7")
+        wait_for(lambda: scrape(url + "/metrics").get(("leanhive_global_epoch", ()), -1) >= 9, timeout=240,
+                 interval=1, what="the swarm to report epoch 9")
         metrics = scrape(url + "/metrics")
         assert metrics[("leanhive_alive_peers", ())] == 2
         assert len([k for k in metrics if k[0] == "leanhive_peer_samples_total"]) == 2
         epochs = [e for e in api_state(url)["swarm"]["epochs"] if e["loss"] is not None]
         first_loss, recent_loss = epochs[0]["loss"], min(e["loss"] for e in epochs[-2:])
-        assert recent_loss < first_loss - 0.3, f"loss did not fall: {[round(e['loss'], 3) for e in epochs]}"
+        assert recent_loss < first_loss - 0.25, f"loss did not fall: {[round(e['loss'], 3) for e in epochs]}"
 
         # Prometheus scraped the aux peer: its query API returns the loss series, and it falls
         series = wait_for(lambda: (s := prometheus.query_range("leanhive_loss", time.time() - started + 5))
