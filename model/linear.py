@@ -137,7 +137,8 @@ def make_linear(
 
     - ``shared`` given: ``AdaptedLinear`` over it (own adapter of rank ``adapter_dim`` and own bias). ``block_size``
       and ``lowrank_dim`` may be left 0 or repeat the shared matrix's values; the shared matrix decides them.
-    - else ``block_size == 0``: ``nn.Linear``; ``block_size > 0``: ``PixelflyLinear`` (low-rank term of ``lowrank_dim``).
+    - else ``block_size == 0``: ``nn.Linear``; ``block_size > 0``: ``PixelflyLinear`` (with a low-rank term of rank
+      ``lowrank_dim`` if nonzero).
     """
     if shared is None:
         if adapter_dim:

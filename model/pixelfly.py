@@ -91,42 +91,49 @@ def butterfly_block_layout(out_features: int, in_features: int, block_size: int,
 # block-sparse matmul backend
 
 
-class _BlockSet:
-    """An ordered set of block indices along one matrix side: a contiguous range (sliced) or an index tensor."""
+class _Indices:
+    """A list of indices, kept as a tensor on each device it is used on, and noted if it is a contiguous range."""
 
-    def __init__(self, blocks: List[int], block_size: int):
-        self.blocks = blocks
-        self.block_size = block_size
-        self.contiguous = blocks == list(range(blocks[0], blocks[0] + len(blocks)))
-        self._index: Dict[torch.device, torch.Tensor] = {}
+    def __init__(self, values: List[int]):
+        self.values = values
+        self.start = values[0] if values == list(range(values[0], values[0] + len(values))) else None
+        self._tensors: Dict[torch.device, torch.Tensor] = {}
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.values)
 
-    def index(self, device: torch.device) -> torch.Tensor:
-        if device not in self._index:  # index tensors live with the data; built lazily so meta-device init works
-            self._index[device] = torch.tensor(self.blocks, dtype=torch.long, device=device)
-        return self._index[device]
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._tensors:  # built lazily on the data's device, so modules can be built on "meta"
+            self._tensors[device] = torch.tensor(self.values, dtype=torch.long, device=device)
+        return self._tensors[device]
+
+
+class _BlockSet(_Indices):
+    """Block indices along one side of a matrix, with the slicing/gathering/scattering of those feature columns."""
+
+    def __init__(self, blocks: List[int], block_size: int):
+        super().__init__(blocks)
+        self.block_size = block_size
 
     def gather(self, matrix: torch.Tensor) -> torch.Tensor:
-        """Columns of these blocks of matrix [rows, features] -> [rows, len(self) * block_size] (a view if contiguous)."""
-        if self.contiguous:
-            return matrix.narrow(1, self.blocks[0] * self.block_size, len(self) * self.block_size)
+        """These blocks' columns of matrix [rows, features] -> [rows, len(self) * block_size]; a view for a range."""
+        if self.start is not None:
+            return matrix.narrow(1, self.start * self.block_size, len(self) * self.block_size)
         blocked = matrix.view(matrix.shape[0], -1, self.block_size)
-        return blocked.index_select(1, self.index(matrix.device)).flatten(1)
+        return blocked.index_select(1, self.on(matrix.device)).flatten(1)
 
     def matmul_into(self, dest: torch.Tensor, left: torch.Tensor, right: torch.Tensor, accumulate: bool) -> None:
         """dest[:, these blocks] (+)= left @ right, writing in place (no temporary when the blocks are contiguous)."""
-        if self.contiguous:
-            target = dest.narrow(1, self.blocks[0] * self.block_size, len(self) * self.block_size)
+        if self.start is not None:
+            target = dest.narrow(1, self.start * self.block_size, len(self) * self.block_size)
             target.addmm_(left, right, beta=1 if accumulate else 0)  # beta=0 ignores the uninitialised destination
             return
         blocked = dest.view(dest.shape[0], -1, self.block_size)
         product = torch.mm(left, right).view(dest.shape[0], len(self), self.block_size)
         if accumulate:
-            blocked.index_add_(1, self.index(dest.device), product)
+            blocked.index_add_(1, self.on(dest.device), product)
         else:
-            blocked.index_copy_(1, self.index(dest.device), product)
+            blocked.index_copy_(1, self.on(dest.device), product)
 
 
 @dataclass
@@ -135,8 +142,7 @@ class _BlockGroup:
 
     rows: _BlockSet
     cols: _BlockSet
-    weight_ids: torch.Tensor  # [len(rows) * len(cols)] positions in the stored weight, row-major within the group
-    weight_start: Optional[int]  # set when weight_ids is a contiguous range starting here (sliced, not gathered)
+    weight_ids: _Indices  # positions of its blocks in the stored weight, row-major within the group
 
 
 class BlockSparsePlan:
@@ -150,7 +156,9 @@ class BlockSparsePlan:
     def __init__(self, layout: torch.Tensor, block_size: int):
         layout = layout.detach().to("cpu", torch.bool)
         if layout.ndim != 2 or not bool(layout.any(0).all()) or not bool(layout.any(1).all()):
-            raise ValueError("a block-sparse layout must be a 2D bool tensor with a nonzero block in every row and column")
+            raise ValueError(
+                "a block-sparse layout must be a 2D bool tensor with a nonzero block in every row and column"
+            )
         self.layout, self.block_size = layout, block_size
         self.out_blocks, self.in_blocks = layout.shape
         nonzero = layout.nonzero()
@@ -165,14 +173,11 @@ class BlockSparsePlan:
         chosen = by_rows if self.grouped_by_rows else by_cols
         self.groups = []
         for rows, cols in chosen:
-            ids = position[torch.tensor(rows, device="cpu")[:, None], torch.tensor(cols, device="cpu")[None, :]].flatten()
-            start = int(ids[0])
-            is_range = bool((ids == torch.arange(start, start + len(ids), device="cpu")).all())
-            self.groups.append(
-                _BlockGroup(_BlockSet(rows, block_size), _BlockSet(cols, block_size), ids, start if is_range else None)
-            )
-        weight_ids = torch.cat([group.weight_ids for group in self.groups])
-        assert bool((weight_ids >= 0).all()) and len(weight_ids) == len(nonzero) == len(weight_ids.unique())
+            ids = position[torch.tensor(rows, device="cpu")[:, None], torch.tensor(cols, device="cpu")[None, :]]
+            self.groups.append(_BlockGroup(_BlockSet(rows, block_size), _BlockSet(cols, block_size),
+                                           _Indices(ids.flatten().tolist())))
+        weight_ids = sorted(i for group in self.groups for i in group.weight_ids.values)
+        assert weight_ids == list(range(len(nonzero))), "the groups must cover every nonzero block exactly once"
         logger.debug("block-sparse plan %s: %d groups by %s", tuple(layout.shape), len(self.groups),
                      "rows" if self.grouped_by_rows else "columns")
 
@@ -194,10 +199,11 @@ class BlockSparsePlan:
 
     def _group_weight(self, weight: torch.Tensor, group: _BlockGroup) -> torch.Tensor:
         """The group's blocks as one dense [len(rows) * block, len(cols) * block] matrix (a copy)."""
-        if group.weight_start is not None:
-            blocks = weight.narrow(0, group.weight_start, len(group.weight_ids))
+        ids = group.weight_ids
+        if ids.start is not None:
+            blocks = weight.narrow(0, ids.start, len(ids))
         else:
-            blocks = weight.index_select(0, group.weight_ids.to(weight.device))
+            blocks = weight.index_select(0, ids.on(weight.device))
         rows, cols, size = len(group.rows), len(group.cols), self.block_size
         return blocks.view(rows, cols, size, size).transpose(1, 2).reshape(rows * size, cols * size)
 
@@ -235,7 +241,7 @@ class BlockSparsePlan:
                 grad_blocks = torch.mm(grad_group.t(), group.cols.gather(x))  # [rows * size, cols * size]
                 rows, cols = len(group.rows), len(group.cols)
                 grad_blocks = grad_blocks.view(rows, size, cols, size).transpose(1, 2).reshape(-1, size, size)
-                grad_w.index_copy_(0, group.weight_ids.to(weight.device), grad_blocks)
+                grad_w.index_copy_(0, group.weight_ids.on(weight.device), grad_blocks)
         return grad_x, grad_w
 
 
@@ -372,7 +378,8 @@ class PixelflyLinear(nn.Module):
         self.plan = BlockSparsePlan(butterfly_block_layout(out_features, in_features, block_size, stretch), block_size)
         # each output sums this many inputs: the fan-in that nn.Linear's init would use for the dense equivalent
         self.fan_in = int(self.layout.sum(1).max()) * block_size
-        self.weight = nn.Parameter(torch.empty(self.plan.nnz_blocks, block_size, block_size, device=device, dtype=dtype))
+        weight_shape = (self.plan.nnz_blocks, block_size, block_size)
+        self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.lowrank_is_shared = False
         if shared_lowrank is not None:

@@ -252,3 +252,15 @@ def test_meta_device_construction_and_shape_inference():
     layer.to_empty(device="cpu")
     layer.reset_parameters()
     assert torch.isfinite(layer.weight).all()
+
+
+def test_backward_saves_only_the_input_and_the_stored_blocks():
+    """No gathered copies of the input are kept for backward: the memory of a dense layer's input, not more."""
+    layer = PixelflyLinear(64, 256, block_size=8)
+    x = torch.randn(4, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x).sum().backward()
+    assert {t.untyped_storage().data_ptr() for t in saved} == {x.untyped_storage().data_ptr(),
+                                                             layer.weight.untyped_storage().data_ptr()}
+    assert sum(t.numel() for t in saved) == x.numel() + layer.weight.numel()
