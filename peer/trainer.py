@@ -1,0 +1,295 @@
+"""The trainer peer: joins the swarm, runs the local training loop, publishes metrics, leaves cleanly.
+
+Lifecycle: ``TrainerPeer(config)`` does nothing on construction; ``start()`` joins the network and
+builds the model, optimizer and data; ``run()`` trains until ``max_epochs``, a stop request (SIGINT/
+SIGTERM) or an error; ``shutdown()`` writes a backup and leaves the swarm. Entry points call them in
+that order, with ``shutdown()`` in ``finally``.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import hivemind
+import torch
+from hivemind.utils import get_dht_time
+
+from peer import backup, faults
+from peer.arguments import CollaborationArguments, OptimizerArguments, TrainingArguments
+from peer.collaboration import (
+    LeanHiveOptimizer,
+    build_optimizer,
+    count_other_state_sharing_peers,
+    final_barrier,
+    join_swarm,
+    wait_for_swarm,
+)
+from peer.data import DataArguments, SequenceLengthSchedule, build_train_dataset, load_tokenizer, make_batches
+from peer.metrics import LocalMetrics, publish_metrics
+from peer.model_setup import Placement, build_model, choose_placement
+from peer.network import (
+    NetworkArguments,
+    create_dht,
+    initial_peers_line,
+    load_or_create_signing_key,
+    make_validators,
+    signing_key_path,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerConfig:
+    """Everything a trainer peer is configured with (one dataclass per concern)."""
+
+    network: NetworkArguments
+    collaboration: CollaborationArguments
+    optimizer: OptimizerArguments
+    training: TrainingArguments
+    data: DataArguments
+
+
+@dataclass
+class EpochStats:
+    """What this peer did during one global epoch (published as metrics when the epoch ends)."""
+
+    epoch: int
+    started: float = field(default_factory=time.perf_counter)
+    loss_sum: float = 0.0
+    mini_steps: int = 0
+    samples: int = 0
+    steps: int = 0
+    skipped_steps: int = 0
+
+    def samples_per_second(self) -> float:
+        return self.samples / max(time.perf_counter() - self.started, 1e-9)
+
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.mini_steps if self.mini_steps else float("nan")
+
+
+def _peer_seed(dht: hivemind.DHT) -> int:
+    """A per-peer data seed derived from the peer ID, so peers read the data in different orders."""
+    return int.from_bytes(hashlib.sha256(dht.peer_id.to_bytes()).digest()[:4], "little")
+
+
+class TrainerPeer:
+    def __init__(self, config: TrainerConfig):
+        self.config = config
+        self.stop_requested = threading.Event()
+        self.running = False  # set once start() is done: before that a stop request interrupts at once
+        self.dht: Optional[hivemind.DHT] = None
+        self.optimizer: Optional[LeanHiveOptimizer] = None
+        self.model: Optional[torch.nn.Module] = None
+        self.placement: Optional[Placement] = None
+        self.grad_scaler = None
+        self.public_key: Optional[bytes] = None
+        self.samples_total = 0
+        self.skipped_steps_total = 0
+        self.local_step = 0
+        self._batches: Optional[Iterator[dict]] = None
+
+    # ------------------------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        net, train = self.config.network, self.config.training
+        if train.torch_threads is not None:
+            torch.set_num_threads(train.torch_threads)
+        self.placement = choose_placement(train)  # fail on bad device/precision before touching the network
+        signing_key = load_or_create_signing_key(signing_key_path(net))
+        validators, self.public_key = make_validators(net.run_id, signing_key)
+        self.dht = create_dht(net, validators)
+        logger.info("To join this collaboration, run peers with:\n%s --run_id %s",
+                    initial_peers_line(self.dht), net.run_id)
+
+        self.model = build_model(train, self.placement)
+        if self.placement.uses_grad_scaler:
+            self.grad_scaler = hivemind.GradScaler()
+        self.optimizer = build_optimizer(
+            model=self.model, dht=self.dht, run_id=net.run_id, signing_key=signing_key,
+            batch_size_per_step=self.batch_size_per_step, collab=self.config.collaboration,
+            optim=self.config.optimizer, client_mode=net.client_mode,
+            # hivemind's GradScaler unscales the accumulated gradients only when they live in .grad
+            reuse_grad_buffers=self.grad_scaler is not None)
+        self._build_data()
+        self._join()
+
+    @property
+    def batch_size_per_step(self) -> int:
+        train = self.config.training
+        devices = torch.cuda.device_count() if self.placement and self.placement.device.type == "cuda" else 1
+        return train.per_device_batch_size * train.gradient_accumulation_steps * max(devices, 1)
+
+    def _build_data(self) -> None:
+        data = self.config.data
+        tokenizer = load_tokenizer(data)
+        vocab = len(tokenizer)
+        if vocab > self.model.config.vocab_size:
+            raise ValueError(f"the tokenizer has {vocab} tokens but the model's vocab_size is "
+                             f"{self.model.config.vocab_size}; use a model config with vocab_size >= {vocab}")
+        stream = build_train_dataset(data, tokenizer, peer_seed=_peer_seed(self.dht))
+        schedule = SequenceLengthSchedule(data)
+        self._batches = make_batches(stream, self.config.training.per_device_batch_size,
+                                     lambda: schedule.length_at(self.optimizer.local_epoch))
+
+    def _join(self) -> None:
+        train, collab = self.config.training, self.config.collaboration
+        restored = backup.load_backup(train.output_dir, self.model, self.optimizer)
+        wait_for_swarm(self.optimizer, self.dht, self.config.network.run_id, collab)
+        join_swarm(self.optimizer, self.dht, self.config.network.run_id, collab)
+        if not restored and self.optimizer.local_epoch == 0:
+            logger.info("Starting from freshly initialized parameters")
+
+    # -------------------------------------------------------------------------------------- run
+
+    def request_stop(self) -> None:
+        """Finish the current step, then stop (signal handlers call this)."""
+        self.stop_requested.set()
+
+    def run(self) -> None:
+        max_epochs = self.config.training.max_epochs
+        self.running = True
+        stats = EpochStats(epoch=self.optimizer.local_epoch)
+        while not self.stop_requested.is_set():
+            if max_epochs is not None and self.optimizer.local_epoch >= max_epochs:
+                logger.info("Reached max_epochs=%d: stopping", max_epochs)
+                self._finish_pending_updates()
+                final_barrier(self.optimizer, self.dht, self.config.network.run_id, max_epochs,
+                              self.config.collaboration, stop=self.stop_requested)
+                break
+            epoch_before = self.optimizer.local_epoch
+            self._train_step(stats)
+            if self.optimizer.local_epoch != epoch_before:
+                self._end_epoch(stats)
+                stats = EpochStats(epoch=self.optimizer.local_epoch)
+        self._finish_pending_updates()
+
+    def _train_step(self, stats: EpochStats) -> None:
+        """One local step: accumulate micro-batches, then hand the gradients to hivemind."""
+        train = self.config.training
+        self.local_step += 1
+        loss_sum = 0.0
+        for _ in range(train.gradient_accumulation_steps):
+            input_ids = next(self._batches)["input_ids"].to(self.placement.device)
+            with self.placement.autocast():
+                loss = self.model(input_ids=input_ids, labels=input_ids).loss
+            loss_sum += float(loss.detach())
+            if not math.isfinite(loss_sum) and self.grad_scaler is None:
+                break  # no point in a backward pass: the step is skipped anyway
+            scaled = loss / train.gradient_accumulation_steps
+            (self.grad_scaler.scale(scaled) if self.grad_scaler is not None else scaled).backward()
+        faults.maybe_corrupt_gradients(self.model, self.local_step)
+        finite = math.isfinite(loss_sum) and backup.all_finite(
+            p.grad for p in self.model.parameters() if p.grad is not None)
+
+        if self.grad_scaler is not None:
+            # fp16: the gradients accumulate in .grad; on overflow hivemind's GradScaler drops them and
+            # lowers the scale, so the step is always handed over
+            self.optimizer.step(batch_size=self.batch_size_per_step, grad_scaler=self.grad_scaler)
+            self.grad_scaler.update()
+            if not finite:
+                self._count_skipped(stats)
+                return
+        elif not finite:
+            self.optimizer.zero_grad(set_to_none=False)
+            self._count_skipped(stats)
+            return
+        else:
+            self.optimizer.step(batch_size=self.batch_size_per_step)
+            self.optimizer.zero_grad(set_to_none=False)
+
+        stats.loss_sum += loss_sum
+        stats.mini_steps += train.gradient_accumulation_steps
+        stats.samples += self.batch_size_per_step
+        stats.steps += 1
+        self.samples_total += self.batch_size_per_step
+        if self.local_step % train.log_every_steps == 0:
+            self._log_progress(loss_sum / train.gradient_accumulation_steps, stats)
+
+    def _count_skipped(self, stats: EpochStats) -> None:
+        stats.skipped_steps += 1
+        self.skipped_steps_total += 1
+        logger.warning("Skipping local step %d: NaN/inf loss or gradients (%d skipped so far)",
+                       self.local_step, self.skipped_steps_total)
+
+    def _log_progress(self, loss: float, stats: EpochStats) -> None:
+        tracker = self.optimizer.tracker
+        logger.info("step %d | loss %.4f | %.1f samples/s | local epoch %d | global epoch %d | peers online %d",
+                    self.local_step, loss, stats.samples_per_second(), self.optimizer.local_epoch,
+                    tracker.global_epoch, max(tracker.global_progress.num_peers, 1))
+
+    # ----------------------------------------------------------------------------- epoch boundary
+
+    def _end_epoch(self, stats: EpochStats) -> None:
+        new_epoch = self.optimizer.local_epoch
+        logger.info("Global epoch %d done: loss %.4f over %d micro-steps, %d samples at %.1f samples/s, "
+                    "%d steps, %d skipped -> now at epoch %d (lr %.3g)", stats.epoch, stats.mean_loss(),
+                    stats.mini_steps, stats.samples, stats.samples_per_second(), stats.steps,
+                    stats.skipped_steps, new_epoch, self.optimizer.opt.param_groups[0]["lr"])
+        self._publish(stats)
+        faults.maybe_corrupt_parameters(self.model, new_epoch)
+        if not self._parameters_ok():
+            return
+        every = self.config.training.backup_every_epochs
+        if every and new_epoch % every == 0:
+            backup.save_backup(self.config.training.output_dir, self.model, self.optimizer)
+
+    def _publish(self, stats: EpochStats) -> None:
+        if stats.mini_steps == 0 or not math.isfinite(stats.loss_sum):
+            return
+        metrics = LocalMetrics(epoch=stats.epoch, samples_per_second=float(stats.samples_per_second()),
+                               samples_accumulated=stats.samples, loss=float(stats.loss_sum),
+                               mini_steps=stats.mini_steps, samples_total=self.samples_total,
+                               time=float(get_dht_time()))
+        publish_metrics(self.dht, self.config.network.run_id, self.public_key, metrics,
+                        expiration=self.config.collaboration.metrics_expiration)
+
+    def _parameters_ok(self) -> bool:
+        """After an update: NaN/inf parameters are replaced from the swarm or the local backup (False then)."""
+        if backup.all_finite(self.model.parameters()):
+            return True
+        logger.error("Parameters became NaN/inf after the update at epoch %d; recovering", self.optimizer.local_epoch)
+        # peers online are ahead of any local backup, so they are asked first
+        if self.optimizer.tracker.global_progress.num_peers > 1 or count_other_state_sharing_peers(
+                self.dht, self.config.network.run_id):
+            if self.optimizer.load_state_checked() and backup.all_finite(self.model.parameters()):
+                logger.info("Recovered by loading the swarm's state (global epoch %d)", self.optimizer.local_epoch)
+                return False
+        if backup.load_backup(self.config.training.output_dir, self.model, self.optimizer):
+            logger.info("Recovered from the local backup (global epoch %d)", self.optimizer.local_epoch)
+            return False
+        raise RuntimeError("parameters are NaN/inf and neither the swarm's state nor a local backup could "
+                           "replace them; restart the peer with peers online or a healthy --output_dir backup")
+
+    # ---------------------------------------------------------------------------------- shutdown
+
+    def _finish_pending_updates(self) -> None:
+        """Apply background averaging/optimizer results, so the final parameters are the swarm's."""
+        try:
+            self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+        except Exception as e:
+            logger.warning("A background update did not finish: %s", e)
+
+    def shutdown(self) -> None:
+        """Write a backup and the final parameters, leave the swarm; safe to call after a failed start."""
+        output_dir = self.config.training.output_dir
+        if self.optimizer is not None and self.model is not None:
+            try:
+                if self.config.training.backup_every_epochs:
+                    backup.save_backup(output_dir, self.model, self.optimizer)
+                if backup.all_finite(self.model.parameters()):
+                    backup.save_final_params(output_dir, self.model, self.optimizer.local_epoch)
+            except Exception:
+                logger.exception("Could not write the backup or final parameters")
+        if self.optimizer is not None:
+            logger.info("Leaving the swarm")
+            self.optimizer.shutdown()
+        if self.dht is not None:
+            self.dht.shutdown()
+        logger.info("Shut down cleanly (%d local steps, %d skipped)", self.local_step, self.skipped_steps_total)

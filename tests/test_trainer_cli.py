@@ -1,0 +1,79 @@
+"""The trainer's command line, end to end as a subprocess: help, bad values, unreachable peers."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers.peers import REPO_ROOT, PeerProcess
+from helpers.trainer_swarm import tiny_model_config
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO_ROOT / "run_trainer.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO_ROOT)
+
+
+@pytest.mark.timeout(150)
+def test_help_documents_every_flag():
+    from peer.cli import build_parser
+
+    result = _run("--help")
+    assert result.returncode == 0, result.stderr
+    for flag in build_parser().known_fields():
+        assert f"--{flag}" in result.stdout, f"--{flag} is missing from --help"
+    for flag in ("run_id", "initial_peers", "host_maddrs", "announce_maddrs", "identity_path", "client_mode",
+                 "use_ipfs", "model_config", "output_dir", "max_epochs", "target_batch_size", "max_grad_norm",
+                 "min_learning_rate", "delay_optimizer_step", "average_state_every", "dataset"):
+        assert f"--{flag}" in result.stdout
+    assert "global norm" in result.stdout  # help texts come from the field docstrings
+
+
+BAD_VALUES = [
+    (["--target_batch_size", "0"], "target_batch_size must be a positive integer"),
+    (["--lr_schedule", "exponential"], "invalid choice: 'exponential'"),
+    (["--learning_rate", "fast"], "invalid float value: 'fast'"),
+    (["--min_learning_rate", "1", "--learning_rate", "0.1"], "must not exceed learning_rate"),
+    (["--precision", "fp16", "--device", "cpu"], "needs a CUDA device"),
+    (["--model_config", "no_such_model"], "available presets"),
+    (["--initial_peers", "/ip4/127.0.0.1/tcp/1"], "no /p2p/<peer id> part"),
+    (["--delay_grad_averaging"], "requires delay_optimizer_step"),
+    (["--config", "no_such_preset"], "available presets: "),
+    (["--client_mode", "maybe"], "expected a boolean"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,message", BAD_VALUES, ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_bad_values_exit_2_with_a_message(args, message, tmp_path, capsys):
+    from peer.cli import parse_config  # the exact parsing main() does, without paying a process start each
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--model_config", str(tiny_model_config(tmp_path)), *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(150)
+def test_bad_preset_exits_2_end_to_end(tmp_path):
+    preset = tmp_path / "run.yaml"
+    preset.write_text("target_batch_size: 64\nlearning_rat: 0.1\n")
+    result = _run("--config", str(preset))
+    assert result.returncode == 2
+    assert "unknown keys learning_rat" in result.stderr and "learning_rate" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(150)
+def test_unreachable_initial_peers_give_a_clear_error(tmp_path):
+    unreachable = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEZrWzHGeS3xwKVK4L3yNE2qkwyACS4Fae5X7SwArB6wy"
+    peer = PeerProcess(["--config", "tiny", "--model_config", tiny_model_config(tmp_path),
+                        "--output_dir", tmp_path / "out", "--initial_peers", unreachable,
+                        "--dht_startup_timeout", "10"], name="lonely", log_path=tmp_path / "lonely.log").start()
+    assert peer.wait(timeout=120) == 1
+    log = peer.log()
+    assert "could not reach any of the initial peers" in log and unreachable in log
+    assert "omit --initial_peers" in log
+    assert "Traceback" not in log
+    assert not peer.wait_until_gone(timeout=10)

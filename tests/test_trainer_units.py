@@ -1,0 +1,272 @@
+"""In-process tests of the trainer's parts: CLI layer, 8-bit LAMB, schedule, groups, compression, backups, guard."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from typing import List, Literal, Optional
+
+import pytest
+import torch
+from hivemind.compression import BlockwiseQuantization, Float16Compression, deserialize_torch_tensor
+from hivemind.compression.base import CompressionInfo
+
+from helpers.peers import PeerProcess, share_tensors_by_file_descriptor
+from peer.arguments import CollaborationArguments, OptimizerArguments
+from peer.cli_args import DataclassArgumentParser, field_docs
+from peer.collaboration import learning_rate_at, make_compression, parameter_groups
+from peer.lamb import CPULamb8Bit
+
+# ------------------------------------------------------------------------------------------ CLI layer
+
+
+@dataclass
+class _Example:
+    """An example config."""
+
+    count: int = 3
+    """How many."""
+    ratio: float = 0.5  # a trailing comment
+    # a comment above
+    names: List[str] = field(default_factory=list)
+    mode: Literal["a", "b"] = "a"
+    flag: bool = False
+    limit: Optional[int] = None
+
+    def __post_init__(self):
+        if self.count < 1:
+            raise ValueError(f"count must be >= 1, got {self.count}")
+
+
+def test_help_text_comes_from_docstrings_and_comments():
+    docs = field_docs(_Example)
+    assert docs["count"] == "How many."
+    assert docs["ratio"] == "a trailing comment"
+    assert docs["names"] == "a comment above"
+
+
+def test_preset_then_command_line_override(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("count: 7\nratio: 0.25\nnames: [x, y]\nflag: true\nlimit: 5\n")
+    parser = DataclassArgumentParser([_Example])
+    (example,) = parser.parse_into_dataclasses(["--config", str(preset), "--ratio", "0.75", "--limit", "none"])
+    assert (example.count, example.ratio, example.names, example.flag, example.limit) == (7, 0.75, ["x", "y"], True, None)
+    (example,) = parser.parse_into_dataclasses(["--flag", "--names", "p", "q", "--mode", "b"])
+    assert example.flag is True and example.names == ["p", "q"] and example.mode == "b" and example.count == 3
+    (example,) = parser.parse_into_dataclasses(["--flag", "false"])
+    assert example.flag is False
+
+
+@pytest.mark.parametrize("text,message", [
+    ("count: 0\n", "count must be >= 1"),
+    ("count: many\n", "invalid value for count"),
+    ("mode: c\n", "choose from a, b"),
+    ("- just a list\n", "expected a mapping"),
+])
+def test_bad_preset_values_exit_2(tmp_path, capsys, text, message):
+    preset = tmp_path / "p.yaml"
+    preset.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        DataclassArgumentParser([_Example]).parse_into_dataclasses(["--config", str(preset)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_collaboration_defaults_keep_request_timeout_below_matchmaking_time():
+    assert CollaborationArguments(matchmaking_time=1.0).request_timeout < 1.0
+    with pytest.raises(ValueError, match="must be smaller than matchmaking_time"):
+        CollaborationArguments(matchmaking_time=1.0, request_timeout=2.0)
+
+
+# ---------------------------------------------------------------------------------------- 8-bit LAMB
+
+
+def _reference_lamb_step(param, grad, state, *, lr, betas, eps, weight_decay, clamp_value, step):
+    """Textbook LAMB in float64 (bias-corrected Adam direction, decoupled decay, clamped trust ratio)."""
+    beta1, beta2 = betas
+    state["m"] = beta1 * state["m"] + (1 - beta1) * grad
+    state["v"] = beta2 * state["v"] + (1 - beta2) * grad * grad
+    update = (state["m"] / (1 - beta1 ** step)) / ((state["v"] / (1 - beta2 ** step)).sqrt() + eps)
+    update = update + weight_decay * param
+    trust = min(float(param.norm()), clamp_value) / float(update.norm())
+    return param - lr * trust * update
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_lamb_matches_reference(quantized):
+    torch.manual_seed(0)
+    initial = torch.randn(64, 80)
+    param = torch.nn.Parameter(initial.clone())
+    hyper = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1, clamp_value=10.0)
+    opt = CPULamb8Bit([param], min_8bit_size=1 if quantized else 10**9, max_grad_norm=None, **hyper)
+    assert ("exp_avg_q" in opt.state[param]) == quantized
+    reference = initial.double()
+    state = dict(m=torch.zeros_like(reference), v=torch.zeros_like(reference))
+    for step in range(1, 6):
+        grad = torch.randn(64, 80)
+        param.grad = grad.clone()
+        opt.step()
+        reference = _reference_lamb_step(reference, grad.double(), state, step=step, **hyper)
+    error = float((param.detach().double() - reference).abs().max() / (reference - initial.double()).abs().max())
+    assert error < (0.05 if quantized else 1e-4), f"relative error {error}"  # fp32 vs a float64 reference
+
+
+def test_lamb_clips_the_global_gradient_norm_and_skips_non_finite():
+    a, b = torch.nn.Parameter(torch.ones(10)), torch.nn.Parameter(torch.ones(20))
+    opt = CPULamb8Bit([a, b], lr=0.1, betas=(0.5, 0.9), max_grad_norm=1.0, min_8bit_size=10**9)
+    a.grad, b.grad = torch.full((10,), 3.0), torch.full((20,), 4.0)
+    norm = math.sqrt(10 * 9 + 20 * 16)
+    opt.step()
+    assert opt.last_grad_norm == pytest.approx(norm)
+    # the first moment saw the clipped gradient: (1 - beta1) * grad * max_norm / norm
+    assert torch.allclose(opt.state[a]["exp_avg"], torch.full((10,), 0.5 * 3.0 / norm), rtol=1e-4)
+    before = [a.detach().clone(), b.detach().clone()]
+    a.grad[0] = float("inf")
+    opt.step()
+    assert opt.skipped_steps == 1 and opt.state[a]["step"] == 1
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+
+
+def test_lamb_trust_ratio_is_clamped():
+    param = torch.nn.Parameter(torch.full((100,), 5.0))  # norm 50, clamped to 2
+    opt = CPULamb8Bit([param], lr=0.1, weight_decay=0.0, clamp_value=2.0, min_8bit_size=10**9)
+    param.grad = torch.randn(100)
+    before = param.detach().clone()
+    opt.step()
+    assert float((param.detach() - before).norm()) == pytest.approx(0.1 * 2.0, rel=1e-4)
+
+
+def test_lamb_state_dict_round_trip_keeps_8bit_codes():
+    param = torch.nn.Parameter(torch.randn(4096))
+    opt = CPULamb8Bit([param], lr=0.01, min_8bit_size=1)
+    param.grad = torch.randn(4096)
+    opt.step()
+    other = CPULamb8Bit([torch.nn.Parameter(param.detach().clone())], lr=0.01, min_8bit_size=1)
+    other.load_state_dict(opt.state_dict())
+    (state,) = other.state.values()
+    assert state["exp_avg_q"].dtype == torch.uint8 and state["step"] == 1
+    assert torch.equal(state["exp_avg_q"], opt.state[param]["exp_avg_q"])
+    # two bytes of statistics per parameter (plus one fp32 absmax per 256-element block and moment)
+    assert state["exp_avg_q"].numel() + state["exp_avg_sq_q"].numel() == 2 * 4096
+
+
+def test_no_decay_for_biases_and_norms():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decay, no_decay = parameter_groups(model, weight_decay=0.1)
+    assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
+    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+
+
+# ------------------------------------------------------------------------------------------- schedule
+
+
+def test_learning_rate_schedule():
+    args = OptimizerArguments(learning_rate=1.0, min_learning_rate=0.1, warmup_steps=10, total_steps=110)
+    assert learning_rate_at(0, args) == pytest.approx(0.1)
+    assert learning_rate_at(9, args) == pytest.approx(1.0)
+    assert learning_rate_at(60, args) == pytest.approx(0.55)  # cosine half way
+    assert learning_rate_at(110, args) == pytest.approx(0.1) == learning_rate_at(500, args)
+    linear = OptimizerArguments(learning_rate=1.0, min_learning_rate=0.2, warmup_steps=0, total_steps=100,
+                                lr_schedule="linear")
+    assert learning_rate_at(50, linear) == pytest.approx(0.6)
+
+
+# ---------------------------------------------------------------------------------------- compression
+
+
+@pytest.mark.parametrize("numel,codec,bound", [(1000, Float16Compression, 1e-3), (70000, BlockwiseQuantization, 0.02)])
+def test_adaptive_compression_round_trips(numel, codec, bound):
+    compression = make_compression(CollaborationArguments(compression_threshold=65536))
+    torch.manual_seed(0)
+    tensor = torch.randn(numel)
+    serialized = compression.compress(tensor, CompressionInfo.from_tensor(tensor))
+    assert serialized.compression == codec.compression_type
+    restored = deserialize_torch_tensor(serialized)
+    assert restored.shape == tensor.shape and torch.isfinite(restored).all()
+    assert float((restored - tensor).abs().mean() / tensor.abs().mean()) <= bound
+
+
+# -------------------------------------------------------------------------------------------- backups
+
+
+@pytest.fixture
+def solo_optimizer(tmp_path):
+    """A real model + hivemind optimizer on a one-peer DHT."""
+    share_tensors_by_file_descriptor()
+    import hivemind
+
+    from peer.collaboration import build_optimizer
+    from peer.network import make_validators
+
+    key = hivemind.utils.crypto.RSAPrivateKey()
+    validators, _ = make_validators("units", key)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    opt = build_optimizer(model=model, dht=dht, run_id="units", signing_key=key, batch_size_per_step=4,
+                          collab=CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
+                          optim=OptimizerArguments(), client_mode=False)
+    try:
+        yield model, opt
+    finally:
+        opt.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_backups_are_atomic_and_never_replaced_by_broken_ones(tmp_path, solo_optimizer):
+    from peer import backup
+
+    model, opt = solo_optimizer
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()  # one global epoch (target 4 = one step), parameters change
+    assert opt.local_epoch == 1
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    assert backup.save_backup(str(tmp_path), model, opt) is not None
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    assert backup.save_backup(str(tmp_path), model, opt) is None  # refused: the good one stays
+    assert not list(tmp_path.glob("*.tmp"))
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert backup.load_backup(str(tmp_path), model, opt)
+    assert all(torch.equal(good[k], v) for k, v in model.state_dict().items())
+    offloaded = [p for g in opt.opt.param_groups for p in g["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), offloaded)), "hivemind's copy not synced"
+
+    (tmp_path / backup.BACKUP_NAME).write_bytes(b"truncated")
+    assert not backup.load_backup(str(tmp_path), model, opt)  # ignored with a log line, no crash
+
+
+# ---------------------------------------------------------------------------------------- process guard
+
+_GUARDED = textwrap.dedent("""
+    import multiprocessing as mp, subprocess, sys, time
+    from peer import process_guard
+
+    def child():
+        grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        print("grandchild", grandchild.pid, flush=True)
+        time.sleep(120)
+
+    if __name__ == "__main__":
+        process_guard.install()
+        mp.set_start_method("fork")
+        proc = mp.Process(target=child, daemon=True)
+        proc.start()
+        print("child", proc.pid, flush=True)
+        time.sleep(120)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_children_die_with_a_sigkilled_parent(tmp_path):
+    script = tmp_path / "guarded.py"
+    script.write_text(_GUARDED)
+    peer = PeerProcess([], script=str(script), name="guarded", log_path=tmp_path / "guarded.log")
+    peer.start()
+    peer.wait_for(r"grandchild \d+", timeout=30)
+    assert len(peer.snapshot_tree()) == 3
+    peer.kill()
+    assert not peer.wait_until_gone(timeout=10)
