@@ -64,8 +64,8 @@ def configure_logging() -> None:
 
 def _install_signal_handlers(peer: TrainerPeer) -> None:
     def handle(signum, _frame):
-        if peer.stop_requested.is_set():
-            raise KeyboardInterrupt  # a second signal: stop now
+        if peer.stop_requested.is_set() or not peer.running:
+            raise KeyboardInterrupt  # a second signal, or still joining: stop now
         logger.info("Received %s: finishing the current step, then leaving the swarm",
                     signal.Signals(signum).name)
         peer.request_stop()
@@ -87,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.error("%s", e)
         return 1
     except KeyboardInterrupt:
-        logger.warning("Interrupted twice: leaving without finishing the step")
+        logger.warning("Interrupted: leaving without finishing the current step")
     finally:
         peer.shutdown()
     return 0

@@ -1,9 +1,9 @@
 """hivemind.Optimizer wiring: parameter groups, LR schedule, compression, averagers, joining the swarm."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
+import threading
 import time
 from functools import partial
 from typing import List, Optional
@@ -271,17 +271,18 @@ def _final_priority(epoch: int, arrival: float) -> float:
 
 
 def final_barrier(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, epoch: int,
-                  collab: CollaborationArguments) -> bool:
+                  collab: CollaborationArguments, stop: Optional[threading.Event] = None) -> bool:
     """At max_epochs: wait for the peers still training, then all take the parameters of one elected peer.
 
     A peer that finished its last epoch a moment after the others missed their last all-reduce and
     stepped with its own gradients; normally the next epoch's averaging would fix that, but there is no
     next epoch. The elected peer is the earliest to arrive: it gets the highest state-sharing priority,
     which is also whom hivemind's load_state_from_peers downloads from first. Returns True if this peer
-    ends with the elected peer's parameters (or is that peer).
+    ends with the elected peer's parameters (or is that peer). Setting ``stop`` ends the wait early.
     """
     if collab.final_sync_timeout <= 0:
         return True
+    stop = stop if stop is not None else threading.Event()
     deadline = time.monotonic() + collab.final_sync_timeout
     stale_after = max(15.0, 3 * collab.averaging_timeout)
     own_id = dht.peer_id.to_bytes()
@@ -292,37 +293,52 @@ def final_barrier(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, 
     def keep_reporting():  # the others must see that this peer is still here, waiting
         optimizer.tracker.report_local_progress(optimizer.local_epoch, samples_accumulated=0)
 
-    while True:  # 1. everyone still training gets to the last epoch
-        others = {p: v for p, v in _fresh_progress(dht, run_id, stale_after).items() if p != own_id}
-        if all(other_epoch >= epoch for other_epoch, _ in others.values()) or time.monotonic() > deadline:
+    def out_of_time() -> bool:
+        return time.monotonic() > deadline or stop.is_set()
+
+    def others_now():
+        progress = {p: v for p, v in _fresh_progress(dht, run_id, stale_after).items() if p != own_id}
+        priorities = {p: v for p, v in _sharing_priorities(dht, run_id).items() if p != own_id}
+        return progress, priorities
+
+    # 1. everyone still training gets to the last epoch: training peers report progress after every step,
+    # and (unless in client mode) declare their epoch as state-sharing priority; a peer that just reloaded
+    # the state may be missing from one of the two for a moment, so both are watched
+    while True:
+        progress, priorities = others_now()
+        if (all(e >= epoch for e, _ in progress.values()) and all(v >= epoch for v in priorities.values())) \
+                or out_of_time():
             break
         keep_reporting()
         time.sleep(0.5)
-    sharing = {p for p, (_, client) in others.items() if not client}
+    # 2. every state-sharing peer at the barrier has declared its final priority
+    while True:
+        progress, priorities = others_now()
+        if all(v >= final_floor for v in priorities.values()) or out_of_time():
+            break
+        keep_reporting()
+        time.sleep(0.5)
+    candidates = {p: v for p, v in priorities.items() if v >= final_floor}
     if not optimizer.client_mode:
-        sharing.add(own_id)
-    while True:  # 2. every state-sharing peer at the barrier has declared its final priority
-        priorities = _sharing_priorities(dht, run_id)
-        if all(priorities.get(p, -1.0) >= final_floor for p in sharing) or time.monotonic() > deadline:
-            break
-        keep_reporting()
-        time.sleep(0.5)
-    candidates = {p: value for p, value in priorities.items() if value >= final_floor}
+        candidates[own_id] = optimizer.state_averager.state_sharing_priority
     if not candidates:
         logger.warning("Final barrier: no peer could be elected; keeping this peer's parameters")
         return False
     if max(candidates, key=candidates.get) == own_id:
-        logger.info("Final barrier: elected; %d other peer(s) at the barrier take these parameters", len(others))
-        while time.monotonic() < deadline:  # 3a. serve the state until the others have it and left
-            if not any(p != own_id for p in _fresh_progress(dht, run_id, stale_after)):
+        logger.info("Final barrier: elected; %d other peer(s) take these parameters", len(candidates) - 1)
+        while not out_of_time():  # 3a. serve the state until every other peer has it
+            progress, priorities = others_now()
+            followers_done = all(v == final_floor for v in priorities.values() if v >= epoch)
+            clients_done = not any(client for _, client in progress.values())
+            if followers_done and clients_done:
                 return True
             keep_reporting()
             time.sleep(0.5)
-        logger.warning("Final barrier: some peers did not leave within final_sync_timeout")
+        logger.warning("Final barrier: some peers did not take the final parameters within final_sync_timeout")
         return True
-    while time.monotonic() < deadline:  # 3b. take the elected peer's parameters
+    while not out_of_time():  # 3b. take the elected peer's parameters
         if optimizer.load_state_checked() and optimizer.local_epoch == epoch:
-            if not optimizer.client_mode:  # holding the elected state now, below the elected peer
+            if not optimizer.client_mode:  # tells the elected peer that this one is done
                 optimizer.state_averager.state_sharing_priority = final_floor
             logger.info("Final barrier: took the final parameters of the elected peer")
             return True

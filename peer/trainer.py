@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,6 +83,7 @@ class TrainerPeer:
     def __init__(self, config: TrainerConfig):
         self.config = config
         self.stop_requested = threading.Event()
+        self.running = False  # set once start() is done: before that a stop request interrupts at once
         self.dht: Optional[hivemind.DHT] = None
         self.optimizer: Optional[LeanHiveOptimizer] = None
         self.model: Optional[torch.nn.Module] = None
@@ -154,13 +154,14 @@ class TrainerPeer:
 
     def run(self) -> None:
         max_epochs = self.config.training.max_epochs
+        self.running = True
         stats = EpochStats(epoch=self.optimizer.local_epoch)
         while not self.stop_requested.is_set():
             if max_epochs is not None and self.optimizer.local_epoch >= max_epochs:
                 logger.info("Reached max_epochs=%d: stopping", max_epochs)
                 self._finish_pending_updates()
                 final_barrier(self.optimizer, self.dht, self.config.network.run_id, max_epochs,
-                              self.config.collaboration)
+                              self.config.collaboration, stop=self.stop_requested)
                 break
             epoch_before = self.optimizer.local_epoch
             self._train_step(stats)

@@ -32,7 +32,6 @@ def swarm():
 
 
 def _validation_loss(folder, model_config_path) -> float:
-    from helpers.trainer_swarm import tiny_model_config  # noqa: F401  (documents where the config comes from)
     from model import LeanGPTForCausalLM
     from peer.data import DataArguments, build_validation_dataset, load_tokenizer
     from peer.model_setup import load_model_config
