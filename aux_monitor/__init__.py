@@ -1,0 +1,1 @@
+"""The auxiliary peer: metrics aggregation, Prometheus exporter, dashboard, checkpoints, evaluation, upload."""

@@ -6,7 +6,6 @@ after a failed ``start()``.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 from dataclasses import dataclass
@@ -23,8 +22,9 @@ from aux_monitor.monitor import AuxMonitor
 from aux_monitor.replica import SwarmReplica
 from aux_monitor.server import MonitorApp, MonitorServer
 from aux_monitor.state import MonitorState, StateHolder
-from model import LeanGPTForCausalLM
+from model import LeanGPTForCausalLM, load_config
 from peer.arguments import CollaborationArguments, OptimizerArguments
+from peer.collaboration import build_optimizer
 from peer.data import DataArguments
 from peer.network import (
     NetworkArguments,
@@ -52,9 +52,7 @@ class AuxConfig:
 
 def build_swarm_model(model_config: str) -> LeanGPTForCausalLM:
     """The model the trainers train, on the CPU; its initial values are replaced by the swarm's state."""
-    from peer.model_setup import load_model_config
-
-    model = LeanGPTForCausalLM(load_model_config(model_config))
+    model = LeanGPTForCausalLM(load_config(model_config))
     model.train()
     logger.info("Model %s: %.2fM parameters (CPU copy of the swarm's state)", model_config,
                 sum(p.numel() for p in model.parameters()) / 1e6)
@@ -72,24 +70,6 @@ def build_validation_set(data: DataArguments, vocab_size: int) -> list:
     blocks = build_validation_dataset(data, tokenizer)
     logger.info("Validation set: %d blocks of %d tokens", len(blocks), data.max_sequence_length)
     return blocks
-
-
-def build_auxiliary_optimizer(*, assist: bool, **factory_kwargs) -> hivemind.Optimizer:
-    """The trainers' own optimizer factory (same run_id, parameter groups, target batch, compression), never training.
-
-    hivemind's auxiliary mode (no batches; all-reduce rounds joined with weight zero) needs the factory's
-    ``auxiliary`` flag. Until the trainers' factory has it, the aux peer joins as a non-training observer
-    with the same state averager, which is all checkpoints and --resume need; assisting needs the flag.
-    """
-    from peer.collaboration import build_optimizer
-
-    if "auxiliary" in inspect.signature(build_optimizer).parameters:
-        return build_optimizer(**factory_kwargs, batch_size_per_step=None, client_mode=False, auxiliary=True)
-    if assist:
-        raise ValueError("--assist_in_averaging needs peer.collaboration.build_optimizer(auxiliary=True), which "
-                         "this version of the trainer code does not have; run without --assist_in_averaging")
-    logger.info("The trainers' optimizer factory has no auxiliary mode: joining as an observer that never steps")
-    return build_optimizer(**factory_kwargs, batch_size_per_step=1, client_mode=False)
 
 
 class AuxPeer:
@@ -121,9 +101,10 @@ class AuxPeer:
         join_line = f"{initial_peers_line(self.dht)} --run_id {net.run_id}"
         logger.info("To join this collaboration, run peers with:\n%s", join_line)
 
-        self.optimizer = build_auxiliary_optimizer(
-            model=model, dht=self.dht, run_id=net.run_id, signing_key=signing_key,
-            collab=self.config.collaboration, optim=self.config.optimizer, assist=aux.assist_in_averaging)
+        # the trainers' own factory: same run_id, parameter groups, target batch size and compression
+        self.optimizer = build_optimizer(
+            model=model, dht=self.dht, run_id=net.run_id, signing_key=signing_key, batch_size_per_step=None,
+            collab=self.config.collaboration, optim=self.config.optimizer, client_mode=False, auxiliary=True)
         replica = SwarmReplica(model=model, optimizer=self.optimizer,
                                load_state_timeout=self.config.collaboration.load_state_timeout,
                                settle_time=aux.download_settle_time)

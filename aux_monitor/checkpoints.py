@@ -113,6 +113,9 @@ class CheckpointManager:
     # ---------------------------------------------------------------- writing
     def save(self, state: TrainingState) -> CheckpointInfo:
         """Write, verify and promote a checkpoint, then rotate; raises CheckpointError if it does not verify."""
+        broken = [name for name, tensor in state.model.state_dict().items() if not torch.isfinite(tensor).all()]
+        if broken:
+            raise CheckpointError(f"the state of epoch {state.epoch} has NaN/inf parameters ({', '.join(broken[:3])})")
         tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}epoch_{state.epoch:06d}-", dir=self.directory))
         try:
             self._write(tmp, state)

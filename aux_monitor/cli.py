@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Type
 
 from aux_monitor.arguments import AuxArguments
 from aux_monitor.aux_peer import AuxConfig, AuxPeer
+from model import load_config
 from peer import process_guard
 from peer.arguments import CollaborationArguments, OptimizerArguments, TrainingArguments
 from peer.cli import RUN_PRESET_DIR, configure_logging
@@ -60,9 +61,7 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> AuxConfig:
     parser = build_parser()
     network, collaboration, optimizer, data, aux = parser.parse_into_dataclasses(argv)
     try:
-        from peer.model_setup import load_model_config
-
-        load_model_config(aux.model_config)
+        load_config(aux.model_config)
     except ValueError as e:
         parser.error(str(e))
     return AuxConfig(network=network, collaboration=collaboration, optimizer=optimizer, data=data, aux=aux)

@@ -42,6 +42,8 @@ class AuxMonitor:
         self.last_checkpoint_epoch: Optional[int] = None
         self.last_eval_epoch: Optional[int] = None
         self._last_logged_epoch: Optional[int] = None
+        self.trainers_online = threading.Event()  # assisting only makes sense while trainers are averaging
+        self._serving_checkpoint = False  # an assisting aux restored a checkpoint for an empty swarm
         if (args.eval_every > 0) != (validation is not None):
             raise ValueError("pass a validation set exactly when eval_every > 0")
 
@@ -72,23 +74,50 @@ class AuxMonitor:
                        snapshot.alive_peers, "n/a" if snapshot.loss is None else f"{snapshot.loss:.4f}",
                        snapshot.samples_per_second)
 
+        if snapshot.alive_peers > 0:
+            self.trainers_online.set()
+            self._serving_checkpoint = False
+        else:
+            self.trainers_online.clear()
+            self._serve_checkpoint_when_empty()
+
         epoch = max(self.replica.swarm_epoch, snapshot.global_epoch or 0)
         want_checkpoint = self.checkpoints is not None and is_due(epoch, self.last_checkpoint_epoch,
                                                                   self.args.checkpoint_every)
         want_eval = is_due(epoch, self.last_eval_epoch, self.args.eval_every)
         if not (want_checkpoint or want_eval):
             return
-        held = self.replica.held_epoch
-        if held is None or held < epoch:
-            held = self.replica.download()
-            if held is None:
-                logger.warning("No trainer sent the swarm's state (epoch %d); trying again at the next refresh", epoch)
-                return
-            logger.info("Downloaded the swarm's state of epoch %d", held)
-        if want_checkpoint and is_due(held, self.last_checkpoint_epoch, self.args.checkpoint_every):
-            self._checkpoint(loss=snapshot.loss)
-        if want_eval and is_due(held, self.last_eval_epoch, self.args.eval_every):
-            self._evaluate()
+        with self.replica.exclusive():  # no assist step touches the state between its download and its use
+            held = self.replica.held_epoch
+            # assisting peers' parameters are touched by averaging rounds: only a fresh download is the swarm's
+            if held is None or held < epoch or self.args.assist_in_averaging:
+                held = self.replica.download()
+                if held is None:
+                    logger.warning("No trainer sent the swarm's state (epoch %d); trying again at the next refresh",
+                                   epoch)
+                    return
+                logger.info("Downloaded the swarm's state of epoch %d", held)
+            if want_checkpoint and is_due(held, self.last_checkpoint_epoch, self.args.checkpoint_every):
+                self._checkpoint(loss=snapshot.loss)
+            if want_eval and is_due(held, self.last_eval_epoch, self.args.eval_every):
+                self._evaluate()
+
+    def _serve_checkpoint_when_empty(self) -> None:
+        """With no trainer online, an assisting aux offers its newest verified checkpoint to joining trainers.
+
+        Its in-memory parameters cannot be offered: averaging rounds touch them, and a round cut short by
+        trainers that died leaves them broken. (A non-assisting aux never steps, so it keeps offering the
+        state it downloaded last.)
+        """
+        if not self.args.assist_in_averaging or self.checkpoints is None or self._serving_checkpoint:
+            return
+        loaded = self.checkpoints.load_newest_valid()
+        if loaded is None:
+            return
+        self.replica.restore(loaded.state)
+        self._serving_checkpoint = True
+        logger.info("No trainer online: offering the checkpoint of epoch %d (%s) to joining trainers",
+                    loaded.state.epoch, loaded.path)
 
     def _checkpoint(self, loss: Optional[float]) -> None:
         state = self.replica.capture(loss=loss, taken_at=time.time())
@@ -124,6 +153,8 @@ class AuxMonitor:
     def run_assist(self, stop: threading.Event) -> None:
         """Join the trainers' averaging rounds (the auxiliary optimizer's step) until ``stop`` is set."""
         while not stop.wait(self.args.assist_refresh):
+            if not self.trainers_online.is_set():
+                continue
             try:
                 self.replica.assist_step()
             except Exception:

@@ -110,6 +110,10 @@ class SwarmReplica:
             self.optimizer.step()
             self._update_sharing()  # hivemind advances our epoch label without touching our parameters
 
+    def exclusive(self) -> threading.RLock:
+        """Hold this while using a downloaded state: no download, restore or assist step runs meanwhile."""
+        return self._lock
+
     def _adopt_epoch(self, epoch: int) -> None:
         self.held_epoch = epoch
         tracker = self.optimizer.tracker

@@ -10,8 +10,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
+# Long-lived helpers of the test process itself, not leftovers: torch's shared-memory manager serves every
+# later share_memory_() call (datasets uses it), so killing it breaks the tests that come after.
+KEEP = {"torch_shm_manager"}
+
+
 def _kill_children(timeout: float = 5.0) -> list:
-    children = psutil.Process().children(recursive=True)
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name() not in KEEP:
+                children.append(child)
+        except psutil.NoSuchProcess:
+            pass
     for child in children:
         try:
             child.terminate()

@@ -127,3 +127,13 @@ def test_unfinished_writes_are_cleaned_and_foreign_directories_ignored(tmp_path)
 def test_keep_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="keep"):
         CheckpointManager(tmp_path, keep=0, model_class=LeanGPTForCausalLM)
+
+
+def test_a_state_with_nan_parameters_is_never_written(tmp_path):
+    state = trained_state(3)
+    with torch.no_grad():
+        state.model.transformer.embeddings.weight[0, 0] = float("nan")
+    mgr = manager(tmp_path)
+    with pytest.raises(CheckpointError, match="NaN/inf"):
+        mgr.save(state)
+    assert mgr.list_checkpoints() == [] and list((tmp_path / "ckpt").iterdir()) == []

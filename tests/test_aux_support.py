@@ -6,6 +6,7 @@ Peer processes are started with the shared ``helpers.peers`` / ``helpers.trainer
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -20,6 +21,9 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from helpers.peers import PeerProcess, kill_all
+from helpers.trainer_swarm import tiny_model_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO_ROOT / "outputs" / "test_artifacts"  # screenshots for humans; /outputs/ is git-ignored
@@ -62,6 +66,50 @@ def wait_for(predicate, timeout: float, interval: float = 0.5, what: str = "cond
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
+
+
+# ------------------------------------------------------------------ aux peer in a swarm
+RUN_ID = "auxtest"
+
+
+def start_aux(name: str, folder: Path, port: int, *extra) -> PeerProcess:
+    """An aux peer on the trainers' run preset (so collaboration/optimizer settings match theirs)."""
+    args = ["--config", "tiny", "--model_config", tiny_model_config(folder), "--run_id", RUN_ID,
+            "--refresh_period", "1", "--alive_window", "15", "--metrics_host", "127.0.0.1", "--metrics_port", port,
+            "--checkpoint_dir", folder / "ckpt", "--checkpoint_every", 2, "--keep_checkpoints", 3,
+            "--download_settle_time", 0.5, *extra]
+    return PeerProcess(args, name=name, log_path=folder / f"{name}.log", script="run_aux_peer.py").start()
+
+
+@contextlib.contextmanager
+def swarm_processes():
+    """A list to put peer processes in: their log tails are printed if the test fails; all are killed after."""
+    procs: List[PeerProcess] = []
+    try:
+        yield procs
+    except BaseException:
+        for proc in procs:
+            print(f"\n===== {proc.name} ({proc.log_path}) =====\n{proc.tail(60)}")
+        raise
+    finally:
+        kill_all(procs)
+
+
+def api_state(url: str) -> dict:
+    return json.loads(http_get(url + "/api/state")[1])
+
+
+def checkpoint_dirs(folder: Path) -> List[str]:
+    root = folder / "ckpt"
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("epoch_")) if root.exists() else []
+
+
+def peer_report(url: str, exclude: set, min_epoch: int = 0):
+    """The first trainer not in ``exclude`` that has published metrics: (label, epoch, loss), or None."""
+    for peer in api_state(url)["swarm"]["peers"]:
+        if peer["peer"] not in exclude and peer["loss"] is not None and peer["epoch"] >= min_epoch:
+            return peer["peer"], peer["epoch"], peer["loss"]
+    return None
 
 
 # ------------------------------------------------------------------ Chromium
@@ -176,6 +224,12 @@ class PrometheusServer:
         assert status == 200 and data["status"] == "success", body
         result = data["data"]["result"]
         return [(float(t), float(v)) for t, v in result[0]["values"]] if result else []
+
+    def __enter__(self) -> "PrometheusServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -19,49 +19,23 @@ import torch
 
 from aux_monitor.checkpoints import MANIFEST
 from model import LeanGPTForCausalLM
-from helpers.peers import PeerProcess, kill_all
-from helpers.trainer_swarm import start_trainer, tiny_model_config
+from helpers.trainer_swarm import start_trainer
 from test_aux_support import (
     ARTIFACTS,
+    RUN_ID,
     DashboardDom,
     PrometheusServer,
+    api_state,
+    checkpoint_dirs,
     dump_dom,
     free_port,
-    http_get,
+    peer_report,
     scrape,
     screenshot,
+    start_aux,
+    swarm_processes,
     wait_for,
 )
-
-RUN_ID = "auxtest"
-CHECKPOINT_EVERY = 2
-
-
-def start_aux(name, folder, port, *extra):
-    """An aux peer on the trainers' run preset (so collaboration/optimizer settings match theirs)."""
-    args = ["--config", "tiny", "--model_config", tiny_model_config(folder), "--run_id", RUN_ID,
-            "--refresh_period", "1", "--alive_window", "15", "--metrics_host", "127.0.0.1", "--metrics_port", port,
-            "--checkpoint_dir", folder / "ckpt", "--checkpoint_every", CHECKPOINT_EVERY, "--keep_checkpoints", 3,
-            "--download_settle_time", 0.5, *extra]
-    return PeerProcess(args, name=name, log_path=folder / f"{name}.log", script="run_aux_peer.py").start()
-
-
-def api_state(url):
-    return json.loads(http_get(url + "/api/state")[1])
-
-
-def checkpoint_dirs(tmp_path):
-    root = tmp_path / "ckpt"
-    return sorted(p.name for p in root.iterdir() if p.name.startswith("epoch_")) if root.exists() else []
-
-
-def peer_report(url, exclude, min_epoch=0):
-    """The first trainer not in ``exclude`` that has published metrics: (label, epoch, loss)."""
-    for peer in api_state(url)["swarm"]["peers"]:
-        if peer["peer"] not in exclude and peer["loss"] is not None and peer["epoch"] >= min_epoch:
-            return peer["peer"], peer["epoch"], peer["loss"]
-    return None
-
 
 def check_dashboard_matches_metrics(url, tmp_path):
     """The numbers the page shows (after its scripts ran) are the ones /metrics serves for the same refresh."""
@@ -112,13 +86,10 @@ def watch_backups(path: Path, store: dict) -> None:
 def test_aux_peer_with_trainers(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    procs = []
-    prometheus = None
-    try:
+    with swarm_processes() as procs, PrometheusServer(tmp_path / "prometheus", [f"127.0.0.1:{port}"]) as prometheus:
         # ---------------------------------------------------------------- 1. aux + Prometheus + 2 trainers
         aux = start_aux("aux", tmp_path, port, "--eval_every", 4, "--eval_batch_size", 8, "--eval_max_batches", 4)
         procs.append(aux)
-        prometheus = PrometheusServer(tmp_path / "prometheus", [f"127.0.0.1:{port}"])
         addrs = aux.initial_peers(timeout=120)
         trainers = [start_trainer(tmp_path, f"trainer{i}", RUN_ID, initial_peers=addrs) for i in (1, 2)]
         procs += trainers
@@ -126,14 +97,14 @@ def test_aux_peer_with_trainers(tmp_path):
         aux.wait_for("Serving the dashboard", timeout=120)
         started = time.time()
 
-        wait_for(lambda: scrape(url + "/metrics").get(("leanhive_global_epoch", ()), -1) >= 7, timeout=200,
-                 interval=1, what="the swarm to report epoch 7")
+        wait_for(lambda: scrape(url + "/metrics").get(("leanhive_global_epoch", ()), -1) >= 9, timeout=240,
+                 interval=1, what="the swarm to report epoch 9")
         metrics = scrape(url + "/metrics")
         assert metrics[("leanhive_alive_peers", ())] == 2
         assert len([k for k in metrics if k[0] == "leanhive_peer_samples_total"]) == 2
         epochs = [e for e in api_state(url)["swarm"]["epochs"] if e["loss"] is not None]
         first_loss, recent_loss = epochs[0]["loss"], min(e["loss"] for e in epochs[-2:])
-        assert recent_loss < first_loss - 0.3, f"loss did not fall: {[round(e['loss'], 3) for e in epochs]}"
+        assert recent_loss < first_loss - 0.25, f"loss did not fall: {[round(e['loss'], 3) for e in epochs]}"
 
         # Prometheus scraped the aux peer: its query API returns the loss series, and it falls
         series = wait_for(lambda: (s := prometheus.query_range("leanhive_loss", time.time() - started + 5))
@@ -221,11 +192,3 @@ def test_aux_peer_with_trainers(tmp_path):
         assert epoch >= previous_epoch > 0
         assert abs(loss - previous_loss) < abs(loss - first_loss)
         assert newest.name in checkpoint_dirs(tmp_path), "the damaged checkpoint must be left for inspection"
-    except BaseException:
-        for proc in procs:
-            print(f"\n===== {proc.name} ({proc.log_path}) =====\n{proc.tail(60)}")
-        raise
-    finally:
-        if prometheus is not None:
-            prometheus.stop()
-        kill_all(procs)

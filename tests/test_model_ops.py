@@ -9,7 +9,7 @@ from model.ops.attention_core import attention_backward, attention_forward, atte
 from model.ops.ffn import FFNSpec, LeanFFNFunction
 from model.ops.loss import ChunkedLMLossFunction
 from model.ops.projection import ComputeContext, projection_params
-from model.ops.rotary import rotary_tables, rotate
+from model.ops.rotary import rotary_tables, rotate, rotate_, rotate_inverse_into
 
 DTYPE = torch.float64
 COMPUTE = ComputeContext("cpu", DTYPE, False)
@@ -91,11 +91,15 @@ def test_chunked_loss_gradcheck(with_bias):
     assert torch.autograd.gradcheck(ChunkedLMLossFunction.apply, (hidden, weight, bias, labels, 4, DTYPE, needs))
 
 
-def test_rotary_inverse_is_transpose():
+def test_rotary_inverse_is_transpose_and_in_place_variants_agree():
     cos, sin = rotary_tables(SEQ, 6, 100.0, "cpu", DTYPE)
     x, y = torch.randn(2, SEQ, 3, 6, dtype=DTYPE), torch.randn(2, SEQ, 3, 6, dtype=DTYPE)
     assert torch.allclose(rotate(rotate(x, cos, sin), cos, sin, inverse=True), x)
     assert torch.allclose((rotate(x, cos, sin) * y).sum(), (x * rotate(y, cos, sin, inverse=True)).sum())
+    buffer = torch.stack([x, y], dim=2)  # rotate a strided view in place, as the attention Function does
+    assert torch.allclose(rotate_(buffer[:, :, 0], cos, sin), rotate(x, cos, sin))
+    out = torch.empty_like(buffer)
+    assert torch.allclose(rotate_inverse_into(y, cos, sin, out[:, :, 1]), rotate(y, cos, sin, inverse=True))
 
 
 @pytest.mark.parametrize("causal", [True, False])

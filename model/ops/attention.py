@@ -18,7 +18,7 @@ import torch.nn as nn
 from model.ops.attention_core import attention_backward, attention_forward, attention_reference
 from model.ops.norm import layer_norm, layer_norm_with_stats
 from model.ops.projection import ComputeContext, project, project_backward, projection_params
-from model.ops.rotary import rotate
+from model.ops.rotary import rotate, rotate_, rotate_inverse_into
 from model.ops.sublayer import no_autocast, norm_input_backward, tail_backward, tail_forward, tail_plain
 
 
@@ -87,8 +87,8 @@ class LeanAttentionFunction(torch.autograd.Function):
             del normed
             heads = _split_heads(qkv, spec.num_heads)
             if cos is not None:  # rotate q and k in place: the saved buffer holds rotated q, k
-                rotate(heads[:, :, 0], cos, sin, out=heads[:, :, 0])
-                rotate(heads[:, :, 1], cos, sin, out=heads[:, :, 1])
+                rotate_(heads[:, :, 0], cos, sin)
+                rotate_(heads[:, :, 1], cos, sin)
             q, k, v = _heads_first(heads)
             attn, lse = attention_forward(q, k, v, spec.causal, key_padding_mask, spec.attn_dropout_p,
                                           spec.attn_dropout_seed)
@@ -123,7 +123,7 @@ class LeanAttentionFunction(torch.autograd.Function):
             for index, grad in enumerate(grads_qkv):  # back to [batch, seq, heads, dim], un-rotating q and k
                 target = grad_heads[:, :, index]
                 if cos is not None and index < 2:
-                    rotate(grad.transpose(1, 2), cos, sin, inverse=True, out=target)
+                    rotate_inverse_into(grad.transpose(1, 2), cos, sin, out=target)
                 else:
                     target.copy_(grad.transpose(1, 2))
             del grads_qkv

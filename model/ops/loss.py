@@ -71,13 +71,17 @@ class ChunkedLMLossFunction(torch.autograd.Function):
                 logits = F.linear(hidden_chunk, weight_c, bias_c).to(float_dtype)
                 targets = labels[start:end].clamp(min=0)[:, None]
                 chunk_valid = valid[start:end, None]
-                lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-                total += ((lse - logits.gather(1, targets)) * chunk_valid).sum()
+                target_logits = logits.gather(1, targets)
+                row_max = logits.amax(dim=-1, keepdim=True)
+                unnormalized = logits.sub_(row_max).exp_()  # in place: one [chunk, vocab] buffer
+                sum_exp = unnormalized.sum(dim=-1, keepdim=True)
+                total += ((row_max + sum_exp.log() - target_logits) * chunk_valid).sum()
                 if not any(needs):
                     continue
-                grad_logits = logits.sub_(lse).exp_()  # softmax, in place
-                grad_logits.scatter_add_(1, targets, torch.full_like(lse, -1.0))
-                grad_logits.mul_(chunk_valid / count)
+                # d loss / d logits = (softmax - onehot) * valid / count, built in place
+                weight_per_row = chunk_valid.to(float_dtype) / count
+                grad_logits = unnormalized.mul_(weight_per_row / sum_exp)
+                grad_logits.scatter_add_(1, targets, -weight_per_row.to(grad_logits.dtype))
                 if grad_bias is not None:
                     grad_bias += grad_logits.sum(0)
                 grad_logits_c = grad_logits.to(dtype)
@@ -85,7 +89,7 @@ class ChunkedLMLossFunction(torch.autograd.Function):
                     grad_hidden[start:end] = grad_logits_c @ weight_c
                 if grad_weight is not None:
                     grad_weight.addmm_(grad_logits.t(), hidden_chunk.to(float_dtype))
-                del logits, grad_logits, grad_logits_c
+                del logits, unnormalized, grad_logits, grad_logits_c
         ctx.param_grads = (grad_weight, grad_bias)  # parameter gradients (not activations), handed over in backward
         ctx.save_for_backward(grad_hidden)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)

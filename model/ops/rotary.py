@@ -18,21 +18,34 @@ def rotary_tables(seq_len: int, head_dim: int, base: float, device, dtype) -> Ro
     return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
-           out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rotate pairs (x[..., i], x[..., i + d/2]) by +angle (or -angle when inverse).
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate pairs (x[..., i], x[..., i + d/2]) by +angle (or -angle when inverse); autograd-friendly.
 
-    x: [batch, seq, heads, head_dim]. The inverse rotation is the transpose, which is exactly what the
-    backward pass needs. ``out`` may alias x's storage only if it is x itself (handled via temporaries).
+    x: [batch, seq, heads, head_dim]. The inverse rotation is the transpose, which is exactly what a
+    backward pass needs.
     """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     if inverse:
         sin = -sin
-    first = x1 * cos - x2 * sin
-    second = x2 * cos + x1 * sin
-    if out is None:
-        return torch.cat([first, second], dim=-1)
-    out[..., :half].copy_(first)
-    out[..., half:].copy_(second)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """In-place rotate(x) for custom forward passes (x may be a strided view); one temporary half."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    x1_sin = x1 * sin
+    x1.mul_(cos).addcmul_(x2, sin, value=-1.0)
+    x2.mul_(cos).add_(x1_sin)
+    return x
+
+
+def rotate_inverse_into(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = rotate(grad, inverse=True) without temporaries (out must not overlap grad)."""
+    half = grad.shape[-1] // 2
+    g1, g2 = grad[..., :half], grad[..., half:]
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(g1, cos, out=o1).addcmul_(g2, sin)
+    torch.mul(g2, cos, out=o2).addcmul_(g1, sin, value=-1.0)
     return out
