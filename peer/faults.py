@@ -9,7 +9,8 @@ What a broken or hostile peer puts on the wire (its own local checks never see i
 - ``LEANHIVE_FAULT_SEND_GRAD_SCALE=1e6``: the gradients this peer sends for averaging are multiplied by this.
 - ``LEANHIVE_FAULT_SEND_NONFINITE_GRADS=1``: the gradients this peer sends are NaN (first half) and inf.
 - ``LEANHIVE_FAULT_DIE_IN_ALLREDUCE=3``: SIGKILL the whole peer in the middle of its 3rd gradient all-reduce
-  (after the first averaged tensor came back, while the rest is still in flight).
+  (after the first averaged tensor came back, while the rest is still in flight); ``=/some/file``: in the
+  first gradient all-reduce after that file exists (tests decide when).
 - ``LEANHIVE_TEST_PARAMS_DIR=/path``: after each global epoch, write the parameters to
   ``/path/epoch_000012.pt`` (tests compare peers epoch by epoch).
 """
@@ -96,11 +97,12 @@ def maybe_die_in_allreduce(averager, tensors_received: int) -> None:
     global _allreduce_rounds
     from hivemind.optim.grad_averager import GradientAverager
 
-    target = _numbers(DIE_IN_ALLREDUCE_ENV)
-    if not target or not isinstance(averager, GradientAverager) or tensors_received != 1:
+    setting = os.environ.get(DIE_IN_ALLREDUCE_ENV, "").strip()
+    if not setting or not isinstance(averager, GradientAverager) or tensors_received != 1:
         return
     _allreduce_rounds += 1
-    if _allreduce_rounds in target:
+    armed = Path(setting).exists() if setting.startswith("/") else _allreduce_rounds in _numbers(DIE_IN_ALLREDUCE_ENV)
+    if armed:
         logger.warning("FAULT INJECTION: SIGKILL in the middle of gradient all-reduce round %d", _allreduce_rounds)
         os.kill(os.getppid(), signal.SIGKILL)  # the trainer; its other helpers follow it (process_guard)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -67,6 +67,14 @@ def _start_trainers(swarm: NetemSwarm, names: Sequence[str], hosts: Sequence[int
     return trainers
 
 
+def _wait_epoch(trainer: SwarmPeer, epoch: int, timeout: float) -> None:
+    """Wait until the trainer is at ``epoch`` or later (hivemind may skip epoch numbers when a peer catches up)."""
+    wait_for(lambda: trainer.last_epoch() >= epoch or trainer.poll() is not None, timeout=timeout,
+             what=f"{trainer.name} to reach epoch {epoch}")
+    if trainer.last_epoch() < epoch:
+        raise RuntimeError(f"{trainer.name} exited at epoch {trainer.last_epoch()}:\n{trainer.tail()}")
+
+
 def _loss_fell(trainer: SwarmPeer, min_drop: float = 0.2) -> bool:
     losses = epoch_losses(trainer.log())
     finite = {epoch: loss for epoch, loss in losses.items() if math.isfinite(loss)}
@@ -175,23 +183,30 @@ def _stop_all(peers: Sequence[SwarmPeer], timeout: float = 60) -> List[Optional[
 # ------------------------------------------------------------------------------------------------ b
 
 
-def kill_during_allreduce(folder: Path, *, kill_round: int = 3, epochs_after: int = 3) -> ScenarioResult:
-    """b. A trainer is SIGKILLed in the middle of a gradient all-reduce; the others must finish the next epoch
-    within averaging_timeout + one epoch."""
+def kill_during_allreduce(folder: Path, *, epochs_before: int = 2, epochs_after: int = 3) -> ScenarioResult:
+    """b. Once all three trainers trained ``epochs_before`` epochs together, one is SIGKILLed in the middle of its
+    next gradient all-reduce; the others must finish the next epoch within averaging_timeout + one epoch."""
     from peer.faults import DIE_IN_ALLREDUCE_ENV
 
     started = time.monotonic()
     settings = SwarmSettings(run_id="killar")
     details: Dict[str, Any] = {"link": INTERNET.describe(), "averaging_timeout": settings.averaging_timeout}
     recover = None
+    trigger = folder / "kill-now"  # the victim dies in the first all-reduce after this file appears
     with NetemSwarm(folder, 4, settings, INTERNET) as swarm:
         aux = swarm.start_aux(AUX_HOST, "aux", checkpoint_dir=folder / "checkpoints")
         join = aux.initial_peers(STARTUP)
         trainers = _start_trainers(swarm, ["t1", "t2", "victim"], [1, 2, 3], join,
-                                   env_by_name={"victim": {DIE_IN_ALLREDUCE_ENV: str(kill_round)}})
+                                   env_by_name={"victim": {DIE_IN_ALLREDUCE_ENV: str(trigger)}})
         *survivors, victim = trainers
         try:
-            victim.wait(timeout=60 + 40 * kill_round)
+            for trainer in trainers:
+                trainer.wait_for(r"Global epoch \d+ done", timeout=180, count=epochs_before)
+        except (TimeoutError, RuntimeError) as error:
+            details["error"] = str(error)[-300:]
+        trigger.touch()
+        try:
+            victim.wait(timeout=120)
         except TimeoutError:
             pass  # wait() killed it: the fault did not fire, the checks below say so
         killed_at = _log_time(victim, r"FAULT INJECTION: SIGKILL in the middle of gradient all-reduce")
@@ -201,11 +216,13 @@ def kill_during_allreduce(folder: Path, *, kill_round: int = 3, epochs_after: in
         details["killed_in_epoch"] = killed_epoch
         try:
             for survivor in survivors:
-                survivor.wait_for(rf"Global epoch {killed_epoch + epochs_after} done", timeout=60 + 30 * epochs_after)
+                _wait_epoch(survivor, killed_epoch + epochs_after + 1, timeout=60 + 30 * epochs_after)
         except (TimeoutError, RuntimeError) as e:
             details["error"] = str(e)[-400:]
         codes = _stop_all(survivors)
         _check(details, "survivors stopped cleanly", codes == [0, 0])
+        _check(details, "all three trained together before the kill", killed_at is not None and all(
+            sum(t < killed_at for t in trainer.epochs_done().values()) >= epochs_before for trainer in trainers))
         if killed_at is not None:
             next_done = []
             for survivor in survivors:
@@ -263,9 +280,9 @@ def partition_and_heal(folder: Path, *, partition_seconds: float = 30.0, match_w
         details.update(epoch_at_cut=epoch_at_cut, epoch_at_heal=epoch_at_heal)
         try:
             cut.wait_for(r"Reconnected to the swarm", timeout=60)
-            target = epoch_at_heal + match_within + 1
+            target = epoch_at_heal + match_within + 2
             for trainer in trainers:
-                trainer.wait_for(rf"Global epoch {target} done", timeout=60 + 30 * (target - epoch_at_heal))
+                _wait_epoch(trainer, target, timeout=60 + 30 * (target - epoch_at_heal))
         except (TimeoutError, RuntimeError) as e:
             details["error"] = str(e)[-400:]
         codes = _stop_all(trainers)
