@@ -67,6 +67,16 @@ def _start_trainers(swarm: NetemSwarm, names: Sequence[str], hosts: Sequence[int
     return trainers
 
 
+def _final_epoch(trainer: SwarmPeer) -> int:
+    """The epoch of the parameters a trainer that stopped at --max_epochs ended with (-1 if it wrote none)."""
+    from helpers.trainer_swarm import final_epoch
+
+    try:
+        return final_epoch(trainer.folder)
+    except FileNotFoundError:
+        return -1
+
+
 def _wait_epoch(trainer: SwarmPeer, epoch: int, timeout: float) -> None:
     """Wait until the trainer is at ``epoch`` or later (hivemind may skip epoch numbers when a peer catches up)."""
     wait_for(lambda: trainer.last_epoch() >= epoch or trainer.poll() is not None, timeout=timeout,
@@ -120,7 +130,7 @@ def baseline_over_internet(folder: Path, *, epochs: int = 6) -> ScenarioResult:
             details["error"] = str(e)[:300]
         details["exit_codes"] = codes
         _check(details, "trainers exited cleanly", codes == [0, 0, 0])
-        final = [trainer.last_epoch() for trainer in trainers]
+        final = [_final_epoch(trainer) for trainer in trainers]
         details["final_epochs"] = final
         _check(details, f"every trainer reached epoch {epochs}", min(final) >= epochs)
         _check(details, "loss fell on every trainer", all(_loss_fell(t) for t in trainers))
@@ -359,7 +369,7 @@ def poisoned_gradients(folder: Path, *, epochs: int = 10, scale: float = 1e6) ->
             codes, details["error"] = [t.poll() for t in honest], str(e)[-300:]
         _stop_all(others[1:])
         _check(details, "honest trainers finished cleanly", codes == [0, 0])
-        reached = [t.last_epoch() for t in honest]
+        reached = [_final_epoch(t) for t in honest]
         details["honest_epochs"] = reached
         _check(details, f"honest trainers reached epoch {epochs}", min(reached) >= epochs)
         finite = True
