@@ -34,6 +34,7 @@ from peer.network import (
     make_validators,
     signing_key_path,
 )
+from peer.watchdog import DHTWatchdog, start_watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class AuxPeer:
         self.config = config
         self.stop_requested = threading.Event()
         self.dht: Optional[hivemind.DHT] = None
+        self.watchdog: Optional[DHTWatchdog] = None
         self.optimizer: Optional[hivemind.Optimizer] = None
         self.server: Optional[MonitorServer] = None
         self.monitor: Optional[AuxMonitor] = None
@@ -95,6 +97,7 @@ class AuxPeer:
         signing_key = load_or_create_signing_key(signing_key_path(net))
         validators, _ = make_validators(net.run_id, signing_key)
         self.dht = create_dht(net, validators)
+        self.watchdog = start_watchdog(self.dht, net)
         join_line = f"{initial_peers_line(self.dht)} --run_id {net.run_id}"
         logger.info("To join this collaboration, run peers with:\n%s", join_line)
 
@@ -141,6 +144,8 @@ class AuxPeer:
             self.uploader.wait(timeout=60)
         if self.optimizer is not None:
             self.optimizer.shutdown()
+        if self.watchdog is not None:
+            self.watchdog.shutdown()
         if self.dht is not None:
             self.dht.shutdown()
         logger.info("Aux peer shut down")

@@ -65,6 +65,10 @@ class CollaborationArguments:
     final parameters (from the peer elected by state-sharing priority); 0 skips this final barrier."""
     load_state_attempts: int = 3
     """Tries to download the swarm's state when joining before training on with the local state."""
+    contribution_clip: float = 4.0
+    """Robust averaging: NaN/inf contributions are dropped and each peer's deviation from the coordinate-wise
+    median is clipped to this many times the median deviation (a bound on any one peer's influence); 0: plain
+    mean (NaN/inf contributions are still dropped)."""
     metrics_expiration: float = 600.0
     """Seconds this peer's published metrics stay visible in the DHT after its last update."""
     verbose: bool = False
@@ -88,7 +92,7 @@ class CollaborationArguments:
         for name in ("average_state_every", "compression_threshold", "min_peers", "load_state_attempts"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
-        _non_negative(self, "startup_wait", "final_sync_timeout")
+        _non_negative(self, "startup_wait", "final_sync_timeout", "contribution_clip")
         _positive(self, "metrics_expiration")
 
 

@@ -1,6 +1,12 @@
-"""Local backups of the training state: written atomically, never replaced by a broken one."""
+"""Local backups of the training state: written atomically, never replaced by a broken one.
+
+The newest backup and the one before it are kept, each with a checksum of its contents: a backup
+damaged on disk (truncated, or bytes changed, which ``torch.load`` may not notice) is reported and
+the previous one is used instead.
+"""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
@@ -12,6 +18,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 BACKUP_NAME = "backup.pt"
+PREVIOUS_BACKUP_NAME = "backup.prev.pt"  # the backup before the newest one, used if the newest is damaged
 FINAL_PARAMS_NAME = "final_params.pt"
 
 
@@ -21,6 +28,33 @@ def all_finite(tensors) -> bool:
 
 def _schema(model: torch.nn.Module) -> list:
     return [(name, list(param.shape)) for name, param in model.state_dict().items()]
+
+
+def tensor_digest(obj) -> str:
+    """SHA-256 over a nested structure of tensors and plain values, in a fixed order."""
+    digest = hashlib.sha256()
+    _feed(digest, obj)
+    return digest.hexdigest()
+
+
+def _feed(digest, obj) -> None:
+    if isinstance(obj, torch.Tensor):
+        tensor = obj.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"T{tensor.dtype}{tuple(obj.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, dict):
+        digest.update(b"{")
+        for key in sorted(obj, key=repr):
+            _feed(digest, key)
+            _feed(digest, obj[key])
+        digest.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        digest.update(b"[")
+        for item in obj:
+            _feed(digest, item)
+        digest.update(b"]")
+    else:
+        digest.update(repr(obj).encode())
 
 
 def atomic_torch_save(obj, path: Path) -> None:
@@ -51,34 +85,53 @@ def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[
     path = Path(output_dir) / BACKUP_NAME
     payload = dict(model=model.state_dict(), optimizer=opt_state, schema=_schema(model),
                    epoch=optimizer.local_epoch)
+    payload["digest"] = tensor_digest(payload)
+    if path.exists():  # the newest becomes the previous one; a crash before the next line leaves that one
+        os.replace(path, path.with_name(PREVIOUS_BACKUP_NAME))
     atomic_torch_save(payload, path)
     logger.info("Wrote a local backup at global epoch %d to %s", optimizer.local_epoch, path)
     return path
 
 
 def load_backup(output_dir: str, model: torch.nn.Module, optimizer) -> bool:
-    """Restore a backup if one exists and matches this model; False (with a log line) otherwise."""
-    path = Path(output_dir) / BACKUP_NAME
-    if not path.exists():
-        return False
+    """Restore the newest usable backup (the newest, else the previous one) that matches this model; False
+    (with a log line per unusable file) if there is none."""
+    for path in (Path(output_dir) / BACKUP_NAME, Path(output_dir) / PREVIOUS_BACKUP_NAME):
+        payload = _read_backup(path, model) if path.exists() else None
+        if payload is None:
+            continue
+        with torch.no_grad():
+            model.load_state_dict(payload["model"])
+            optimizer.load_state_dict(payload["optimizer"])
+            sync_offloaded_parameters(optimizer)
+        logger.info("Restored the local backup from %s (global epoch %d)", path, optimizer.local_epoch)
+        return True
+    return False
+
+
+def _read_backup(path: Path, model: torch.nn.Module) -> Optional[dict]:
+    """The backup's contents if it is intact and fits this model, else None with a log line that says why."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        logger.error("Ignoring the unreadable backup %s (%s); delete it or fix it to silence this", path, e)
-        return False
+        reason = "the file is empty" if path.stat().st_size == 0 else (str(e).strip().splitlines() or [repr(e)])[0]
+        logger.error("Ignoring the unreadable backup %s (%s); delete it or fix it to silence this", path, reason[:160])
+        return None
+    if not isinstance(payload, dict) or "model" not in payload or "optimizer" not in payload:
+        logger.error("Ignoring the backup %s: it is not a LeanHive backup", path)
+        return None
+    digest = payload.pop("digest", None)
+    if digest is not None and digest != tensor_digest(payload):
+        logger.error("Ignoring the damaged backup %s: its contents do not match its checksum", path)
+        return None
     if payload.get("schema") != _schema(model):
         logger.error("Ignoring the backup %s: it was written for a different model config "
                      "(use another --output_dir for a different model)", path)
-        return False
+        return None
     if not all_finite(payload["model"].values()):
         logger.error("Ignoring the backup %s: it contains NaN/inf parameters", path)
-        return False
-    with torch.no_grad():
-        model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
-        sync_offloaded_parameters(optimizer)
-    logger.info("Restored the local backup from %s (global epoch %d)", path, optimizer.local_epoch)
-    return True
+        return None
+    return payload
 
 
 @torch.no_grad()

@@ -23,8 +23,11 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from peer import faults
 from peer.arguments import CollaborationArguments, OptimizerArguments
+from peer.auth import AuthorizedAveragerMixin, authorized_peer_ids
 from peer.lamb import CPULamb8Bit
+from peer.robust import RobustAveragingMixin
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +110,18 @@ class _DownloadRecorder(DecentralizedAverager):
         return loaded
 
 
-class CheckedStateAverager(TrainingStateAverager, _DownloadRecorder):
-    """TrainingStateAverager whose super().load_state_from_peers goes through _DownloadRecorder (see MRO)."""
+class CheckedStateAverager(AuthorizedAveragerMixin, RobustAveragingMixin, TrainingStateAverager, _DownloadRecorder):
+    """TrainingStateAverager whose super().load_state_from_peers goes through _DownloadRecorder (see MRO),
+    with an allowlist for its RPCs and bounded contributions (peer.auth, peer.robust)."""
 
     def state_arrived(self) -> bool:
         """True if the last download delivered a state and it was applied (its epoch became ours)."""
         return self.downloaded_epoch is not None and self.local_epoch == self.downloaded_epoch
+
+
+class LeanHiveGradientAverager(AuthorizedAveragerMixin, RobustAveragingMixin, faults.GradientFaultsMixin,
+                               GradientAverager):
+    """GradientAverager with an allowlist for its RPCs, bounded contributions and the tests' fault hooks."""
 
 
 class LeanHiveOptimizer(hivemind.Optimizer):
@@ -150,8 +159,9 @@ def build_optimizer(*, model: torch.nn.Module, dht: hivemind.DHT, run_id: str, s
     compression = make_compression(collab)
     allreduce_timeout = collab.allreduce_timeout or collab.averaging_timeout
     # averager_opts reach only the state averager; the gradient averager gets the same through its factory
-    averager_opts = dict(request_timeout=collab.request_timeout)
-    grad_averager_factory = partial(GradientAverager, request_timeout=collab.request_timeout)
+    averager_opts = dict(request_timeout=collab.request_timeout, contribution_clip=collab.contribution_clip,
+                         authorized_peers=authorized_peer_ids(dht))
+    grad_averager_factory = partial(LeanHiveGradientAverager, **averager_opts)
     return LeanHiveOptimizer(
         dht=dht,
         run_id=run_id,

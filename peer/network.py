@@ -46,6 +46,16 @@ class NetworkArguments:
     """Use the public IPFS DHT to find peers (cannot be combined with initial_peers)."""
     dht_startup_timeout: float = 60.0
     """Seconds to wait for the DHT to start and reach the initial peers."""
+    rejoin_period: float = 5.0
+    """Seconds between checks that re-contact lost peers (hivemind does not re-join the swarm by itself after
+    a network fault); 0 disables them."""
+    isolation_grace: float = 60.0
+    """A trainer cut off from every peer pauses up to this many seconds before training on alone, so that it
+    does not run ahead of the swarm; 0 never pauses."""
+    authorized_keys: Optional[str] = None
+    """Allowlist file: only the peers listed there may use this swarm's DHT and averaging. One line per peer,
+    '<peer ID> ssh-rsa <key> [name]'; each peer logs its line at start, or run `python -m peer.auth
+    --identity_path PATH`. Needs --identity_path (a stable identity)."""
 
     def __post_init__(self):
         if isinstance(self.initial_peers, str):
@@ -64,6 +74,12 @@ class NetworkArguments:
             raise ValueError("use_ipfs and initial_peers cannot be combined: pass one of them")
         if self.dht_startup_timeout <= 0:
             raise ValueError(f"dht_startup_timeout must be positive, got {self.dht_startup_timeout}")
+        if self.authorized_keys is not None and self.identity_path is None:
+            raise ValueError("authorized_keys needs a stable identity: add --identity_path (e.g. "
+                             "--identity_path keys/peer.key); its line in the allowlist stays valid across restarts")
+        if not (self.rejoin_period >= 0 and self.isolation_grace >= 0):
+            raise ValueError(f"rejoin_period and isolation_grace must be zero or positive seconds, got "
+                             f"{self.rejoin_period} and {self.isolation_grace}")
 
 
 def _check_maddr(name: str, addr: str, need_peer_id: bool) -> None:
@@ -112,14 +128,16 @@ def signing_key_path(args: NetworkArguments) -> Optional[str]:
 
 def make_validators(run_id: str, private_key: RSAPrivateKey,
                     extra: Sequence[RecordValidatorBase] = ()) -> tuple[list, bytes]:
-    """Validators every peer of the run installs: signature check + schema of the metrics key.
+    """Validators every peer of the run installs: record size limit, signature check, schema of the metrics key.
 
     Returns (validators, local_public_key); the public key is the subkey this peer signs records with.
     """
     from peer.metrics import MetricsSchema  # local import: metrics imports nothing from here
 
+    from peer.records import RecordSizeValidator
+
     signature_validator = RSASignatureValidator(private_key)
-    validators = [SchemaValidator(MetricsSchema, prefix=run_id), signature_validator, *extra]
+    validators = [RecordSizeValidator(), SchemaValidator(MetricsSchema, prefix=run_id), signature_validator, *extra]
     return validators, signature_validator.local_public_key
 
 
@@ -128,6 +146,14 @@ def create_dht(args: NetworkArguments, record_validators: Sequence[RecordValidat
     """Start a DHT peer, or raise NetworkSetupError that names unreachable peers and suggests fixes."""
     if args.identity_path is not None:
         Path(args.identity_path).parent.mkdir(parents=True, exist_ok=True)
+    authorizer = None
+    if args.authorized_keys is not None:
+        from peer.auth import AuthorizationError, make_authorizer
+
+        try:
+            authorizer = kwargs["authorizer"] = make_authorizer(args)
+        except AuthorizationError as e:
+            raise NetworkSetupError(str(e)) from None
     try:
         dht = hivemind.DHT(
             start=True,
@@ -150,11 +176,20 @@ def create_dht(args: NetworkArguments, record_validators: Sequence[RecordValidat
                 "Check that the address is copied exactly from the line the first peer logs "
                 "('--initial_peers ...'), that the peer is still running, and that its port is open "
                 "(firewall/NAT). To start a new collaboration instead, omit --initial_peers."
+                + " If the swarm is private (--authorized_keys), this peer must be in its allowlist."
             ) from None
         if "already taken" in text:
             raise NetworkSetupError(f"identity {args.identity_path} is already used by a running peer; "
                                     "give each peer its own --identity_path") from None
         raise NetworkSetupError(f"could not start the DHT peer: {text}") from e
+    if authorizer is not None:
+        from peer.auth import AuthorizationError, check_own_peer_id
+
+        try:
+            check_own_peer_id(dht, authorizer, args.authorized_keys)
+        except AuthorizationError as e:
+            dht.shutdown()
+            raise NetworkSetupError(str(e)) from None
     return dht
 
 

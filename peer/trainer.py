@@ -40,6 +40,7 @@ from peer.network import (
     make_validators,
     signing_key_path,
 )
+from peer.watchdog import DHTWatchdog, resync_with_swarm, start_watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class TrainerPeer:
         self.stop_requested = threading.Event()
         self.running = False  # set once start() is done: before that a stop request interrupts at once
         self.dht: Optional[hivemind.DHT] = None
+        self.watchdog: Optional[DHTWatchdog] = None
         self.optimizer: Optional[LeanHiveOptimizer] = None
         self.model: Optional[torch.nn.Module] = None
         self.placement: Optional[Placement] = None
@@ -105,6 +107,7 @@ class TrainerPeer:
         signing_key = load_or_create_signing_key(signing_key_path(net))
         validators, self.public_key = make_validators(net.run_id, signing_key)
         self.dht = create_dht(net, validators)
+        self.watchdog = start_watchdog(self.dht, net)
         logger.info("To join this collaboration, run peers with:\n%s --run_id %s",
                     initial_peers_line(self.dht), net.run_id)
 
@@ -163,6 +166,8 @@ class TrainerPeer:
                 final_barrier(self.optimizer, self.dht, self.config.network.run_id, max_epochs,
                               self.config.collaboration, stop=self.stop_requested)
                 break
+            if self.watchdog is not None and self.watchdog.wait_while_isolated(self.stop_requested):
+                resync_with_swarm(self.optimizer)
             epoch_before = self.optimizer.local_epoch
             self._train_step(stats)
             if self.optimizer.local_epoch != epoch_before:
@@ -233,6 +238,7 @@ class TrainerPeer:
                     stats.mini_steps, stats.samples, stats.samples_per_second(), stats.steps,
                     stats.skipped_steps, new_epoch, self.optimizer.opt.param_groups[0]["lr"])
         self._publish(stats)
+        faults.maybe_save_parameters(self.model, new_epoch)
         faults.maybe_corrupt_parameters(self.model, new_epoch)
         if not self._parameters_ok():
             return
@@ -290,6 +296,8 @@ class TrainerPeer:
         if self.optimizer is not None:
             logger.info("Leaving the swarm")
             self.optimizer.shutdown()
+        if self.watchdog is not None:
+            self.watchdog.shutdown()
         if self.dht is not None:
             self.dht.shutdown()
         logger.info("Shut down cleanly (%d local steps, %d skipped)", self.local_step, self.skipped_steps_total)

@@ -5,7 +5,6 @@ Needs root and iproute2 (network namespaces); skipped otherwise. The bandwidth a
 sanity checks of the harness itself (the links must do what scenario tests will assume).
 """
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -16,7 +15,7 @@ import uuid
 import pytest
 
 from tests.netem.dht_agent import DHTAgent, close_agents
-from tests.netem.hosts import REPO_ROOT, Testbed, cleanup_stale, list_namespaces
+from tests.netem.hosts import REPO_ROOT, Testbed, cleanup_stale, list_namespaces, netns_unavailable_reason
 from tests.netem.proxy import ProxySettings
 from tests.netem.tools import EchoClient, measure_throughput, start_echo_server
 
@@ -25,23 +24,9 @@ pytestmark = pytest.mark.timeout(90)
 ECHO_PORT = 40000
 
 
-def _netns_unavailable_reason():
-    if os.geteuid() != 0:
-        return "network namespaces need root (run the tests as root, e.g. in the CI container)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` not found: install iproute2"
-    probe = f"lhnetprobe{os.getpid()}"
-    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if result.returncode != 0:
-        return f"cannot create network namespaces here: {result.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
 @pytest.fixture(scope="module", autouse=True)
 def require_netns():
-    reason = _netns_unavailable_reason()
+    reason = netns_unavailable_reason()
     if reason:
         pytest.skip(reason)
 

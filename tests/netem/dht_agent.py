@@ -11,6 +11,8 @@ answers one request per stdin line:
   answer back into the routing table and off the search blacklist, as a peer must do to re-join after
   a partition (hivemind 1.1.12 does not re-bootstrap by itself)
 - ``{"op": "routing_table"}`` -> ``{"peers": [peer ids]}``
+- ``{"op": "watchdog"}`` -> ``{"isolated": bool, "rejoins": n}`` (agents started with ``--watchdog-period``
+  run ``peer.watchdog.DHTWatchdog``, which re-joins on its own)
 
 The test-side wrapper is :class:`DHTAgent`.
 """
@@ -56,7 +58,7 @@ async def _routing_table(_dht, node) -> List[str]:
     return [str(peer_id) for _, peer_id in node.protocol.routing_table.uid_to_peer_id.items()]
 
 
-def _handle(dht, request: Dict[str, Any]) -> Dict[str, Any]:
+def _handle(dht, request: Dict[str, Any], watchdog=None) -> Dict[str, Any]:
     from hivemind.utils import get_dht_time
 
     op = request.get("op")
@@ -74,7 +76,11 @@ def _handle(dht, request: Dict[str, Any]) -> Dict[str, Any]:
             return {"responded": dht.run_coroutine(rejoin, return_future=True).result(timeout)}
         if op == "routing_table":
             return {"peers": dht.run_coroutine(_routing_table, return_future=True).result(timeout)}
-        return {"error": f"unknown op {op!r}; valid: store, get, rejoin, routing_table"}
+        if op == "watchdog":
+            if watchdog is None:
+                return {"error": "this agent runs no watchdog; start it with --watchdog-period"}
+            return {"isolated": watchdog.isolated, "rejoins": watchdog.rejoins}
+        return {"error": f"unknown op {op!r}; valid: store, get, rejoin, routing_table, watchdog"}
     except concurrent.futures.TimeoutError:
         return {"timeout": True}
     except Exception as e:  # reported to the test instead of killing the agent
@@ -82,19 +88,26 @@ def _handle(dht, request: Dict[str, Any]) -> Dict[str, Any]:
         return {"error": repr(e)}
 
 
-def serve(host_maddr: str, announce_maddr: str, initial_peers: Sequence[str]) -> None:
+def serve(host_maddr: str, announce_maddr: str, initial_peers: Sequence[str], watchdog_period: float = 0) -> None:
     import hivemind
 
     dht = hivemind.DHT(
         initial_peers=list(initial_peers), host_maddrs=[host_maddr], announce_maddrs=[announce_maddr],
         wait_timeout=2, start=True,
     )
+    watchdog = None
+    if watchdog_period:
+        from peer.watchdog import DHTWatchdog
+
+        watchdog = DHTWatchdog(dht, initial_peers, period=watchdog_period).start()
     try:
         reply({"ready": True, "maddrs": [str(m) for m in dht.get_visible_maddrs()]})
         for line in sys.stdin:
             if line.strip():
-                reply(_handle(dht, json.loads(line)))
+                reply(_handle(dht, json.loads(line), watchdog))
     finally:
+        if watchdog is not None:
+            watchdog.shutdown()
         dht.shutdown()
 
 
@@ -103,9 +116,9 @@ class DHTAgent:
     (normally a proxy's port on the same host)."""
 
     def __init__(self, host: "Host", port: int, announce_port: int, initial_peers: Sequence[str] = (),
-                 start_timeout: float = 60.0):
+                 start_timeout: float = 60.0, watchdog_period: float = 0):
         args = ["--host-maddr", f"/ip4/{host.ip}/tcp/{port}",
-                "--announce-maddr", f"/ip4/{host.ip}/tcp/{announce_port}"]
+                "--announce-maddr", f"/ip4/{host.ip}/tcp/{announce_port}", "--watchdog-period", str(watchdog_period)]
         for maddr in initial_peers:
             args += ["--initial-peer", maddr]
         proc = host.python("-m", MODULE, *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -136,6 +149,10 @@ class DHTAgent:
     def routing_table(self, timeout: float = 10) -> List[str]:
         return self._call("routing_table", timeout)["peers"]
 
+    def watchdog(self, timeout: float = 10) -> Dict[str, Any]:
+        """``{"isolated": bool, "rejoins": n}`` of the agent's watchdog (needs ``watchdog_period``)."""
+        return self._call("watchdog", timeout)
+
     def close(self) -> None:
         close_agents([self])
 
@@ -156,9 +173,11 @@ def main() -> None:
     parser.add_argument("--host-maddr", required=True, help="e.g. /ip4/10.213.5.1/tcp/40000")
     parser.add_argument("--announce-maddr", required=True, help="the proxy's address, e.g. /ip4/10.213.5.1/tcp/40001")
     parser.add_argument("--initial-peer", action="append", default=[], help="multiaddr with /p2p/<id>; repeatable")
+    parser.add_argument("--watchdog-period", type=float, default=0,
+                        help="run peer.watchdog.DHTWatchdog with this period in seconds (0: no watchdog)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    serve(args.host_maddr, args.announce_maddr, args.initial_peer)
+    serve(args.host_maddr, args.announce_maddr, args.initial_peer, args.watchdog_period)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,23 @@ def cleanup_stale() -> List[str]:
     return removed
 
 
+def netns_unavailable_reason() -> Optional[str]:
+    """Why a Testbed cannot be built here (a pytest skip reason), or None if it can."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return "network namespaces need root (run the tests as root, e.g. in the CI container)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` not found: install iproute2"
+    probe = f"lhnetprobe{os.getpid()}"
+    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        return f"cannot create network namespaces here: {result.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
 def tbf_args(mbit: float) -> List[str]:
     """tbf parameters for a rate: ~5 ms of burst (at least a few MTUs), ~50 ms of queue."""
     rate_bytes = mbit * 1e6 / 8

@@ -1,0 +1,84 @@
+"""The fault matrix of issue 6 as a table: every scenario in tests/faults/scenarios.py, real peers.
+
+    sudo python benchmarks/faults.py                 # the whole matrix (needs root for emulated links)
+    python benchmarks/faults.py --only g,h,i         # the fast subset (loopback, no root)
+    python benchmarks/faults.py --json results.json  # also write the records
+
+Prints a markdown table: scenario, survived, epochs lost, time to recover, data lost, wall time.
+Scenarios on emulated links are listed as skipped where network namespaces are unavailable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]  # tests.faults and the tests' helpers package
+
+from tests.faults.scenarios import MATRIX, ScenarioResult  # noqa: E402
+from tests.netem.hosts import netns_unavailable_reason  # noqa: E402
+
+
+def run(only: set, folder: Path) -> list:
+    netns_problem = None
+    results = []
+    for scenario in MATRIX:
+        if only and not set(scenario.keys) & only:
+            continue
+        if scenario.needs_netns:
+            netns_problem = netns_problem or netns_unavailable_reason() or ""
+            if netns_problem:
+                results.append(ScenarioResult(f"{scenario.keys}.", survived=False, epochs_lost=0,
+                                              recover_seconds=None, data_lost=False, skipped=netns_problem))
+                continue
+        started = time.monotonic()
+        try:
+            produced = scenario.run(folder / scenario.keys)
+        except Exception as e:  # a scenario that crashes is a row that did not survive, not a lost table
+            logging.exception("scenario %s crashed", scenario.keys)
+            produced = ScenarioResult(f"{scenario.keys}. crashed: {e!r}"[:120], survived=False, epochs_lost=0,
+                                      recover_seconds=None, data_lost=False, seconds=time.monotonic() - started)
+        results += produced if isinstance(produced, list) else [produced]
+        print(f"  {results[-1].scenario}: {'survived' if results[-1].survived else 'FAILED'} "
+              f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+    return results
+
+
+def table(results: list) -> str:
+    rows = ["| scenario | survived | epochs lost | time to recover | data lost | wall time |",
+            "|---|---|---|---|---|---|"]
+    for r in results:
+        if r.skipped:
+            rows.append(f"| {r.scenario} | skipped: {r.skipped} | | | | |")
+            continue
+        recover = "—" if r.recover_seconds is None else f"{r.recover_seconds:.1f} s"
+        rows.append(f"| {r.scenario} | {'yes' if r.survived else '**no**'} | {r.epochs_lost} | {recover} | "
+                    f"{'**yes**' if r.data_lost else 'none'} | {r.seconds:.0f} s |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="comma-separated scenario letters, e.g. g,h,i (default: all)")
+    parser.add_argument("--json", metavar="PATH", help="also write every result record (with details) here")
+    parser.add_argument("--keep", metavar="DIR", help="keep peers' logs and files in this folder")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
+    only = {letter.strip() for letter in args.only.split(",") if letter.strip()}
+    folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="leanhive-faults-"))
+    started = time.monotonic()
+    results = run(only, folder)
+    print(table(results))
+    print(f"\nwhole run: {time.monotonic() - started:.0f} s; peers' logs in {folder}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=1, default=str))
+    return 0 if all((r.survived and not r.data_lost) or r.skipped for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Robust averaging: a bound on every peer's contribution, enforced by the peer that receives it.
+
+hivemind averages with a butterfly all-reduce: each peer reduces one shard of the vector and receives
+every other peer's part of that shard. Plain averaging lets one broken or hostile peer decide the
+result: a NaN/inf part makes the whole shard NaN for everyone, a part 1e6x too large dominates it.
+Here the reducer keeps every sender's part and aggregates them with a centered clip:
+
+- parts with NaN/inf values are dropped;
+- center = coordinate-wise median of the remaining parts;
+- each part's deviation from the center is clipped to ``clip_factor`` x the median deviation norm (norms
+  compared after scaling by sqrt(sample weight): a part averaged over more samples deviates less by chance);
+- result = center + weighted mean of the clipped deviations.
+
+When nothing is clipped this is exactly the weighted mean, so honest swarms average as before.
+A contribution can move the result by at most ``clip_factor`` x median deviation / group size.
+
+Threat model (honest about the limits): the bound holds while fewer than half of the peers in a round
+are faulty (with two peers, one of which is faulty, no rule can tell which one is right); a hostile
+peer that reduces a shard can still return wrong finite values for that shard (1/n of the vector),
+only non-finite results are refused on receipt (the local values are kept); sample-count weights are
+trusted.
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Sequence
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import TensorPartReducer
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
+
+from peer import faults
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CLIP_FACTOR = 4.0
+
+
+def _median(stacked: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise median along dim 0; the mean of the two middle values for an even count."""
+    ordered = stacked.sort(dim=0).values
+    count = ordered.shape[0]
+    return (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
+
+
+def bounded_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], clip_factor: float) -> torch.Tensor:
+    """Weighted mean of ``parts`` with NaN/inf parts dropped and each part's deviation from the median bounded.
+
+    ``clip_factor`` <= 0 gives the plain weighted mean (no bound, non-finite parts still dropped).
+    All parts non-finite: the plain mean (NaN), which receivers refuse (they keep their local values).
+    """
+    kept = [(part, weight) for part, weight in zip(parts, weights) if bool(torch.isfinite(part).all())]
+    if len(kept) < len(parts):
+        logger.warning("Averaging: dropped %d of %d contributions with NaN/inf values", len(parts) - len(kept),
+                       len(parts))
+    if not kept:
+        return sum(p * w for p, w in zip(parts, weights)) / max(sum(weights), 1e-12)
+    stacked = torch.stack([part for part, _ in kept])
+    weight = torch.tensor([w for _, w in kept], dtype=stacked.dtype)
+    total = float(weight.sum())
+    if clip_factor <= 0 or len(kept) == 1:
+        return (stacked * weight.view(-1, *[1] * (stacked.ndim - 1))).sum(0) / total if total > 0 else stacked[0]
+    center = _median(stacked)
+    deviations = stacked - center
+    # a peer that averaged more samples deviates less by chance: compare norms scaled by sqrt(weight)
+    noise_scale = (weight / _median(weight.view(-1, 1))[0]).clamp_min(1e-12).sqrt()
+    norms = deviations.flatten(1).norm(dim=1) * noise_scale
+    bound = clip_factor * float(norms.sort().values[len(kept) // 2])  # upper median: an honest peer's
+    scale = torch.clamp(bound / norms.clamp_min(1e-30), max=1.0)
+    clipped = int((scale < 1).sum())
+    if clipped:
+        severe = float(norms.max()) > 10 * bound
+        logger.log(logging.WARNING if severe else logging.INFO,
+                   "Averaging: bounded %d of %d contributions (deviation up to %.3g, bound %.3g)",
+                   clipped, len(kept), float(norms.max()), bound)
+    if total <= 0:
+        return center
+    factors = (scale * weight / total).view(-1, *[1] * (stacked.ndim - 1))
+    return center + (deviations * factors).sum(0)
+
+
+class _PartCollector:
+    """Takes the place of TensorPartReducer's running sum: keeps every sender's part, aggregates in ``div_``."""
+
+    def __init__(self, clip_factor: float):
+        self.clip_factor = clip_factor
+        self.parts: List[torch.Tensor] = []
+        self.weights: List[float] = []
+
+    def add_(self, tensor: torch.Tensor, alpha: float = 1.0) -> "_PartCollector":
+        self.parts.append(tensor.detach().to(torch.float32, copy=True))
+        self.weights.append(float(alpha))
+        return self
+
+    def div_(self, _denominator: float) -> torch.Tensor:
+        return bounded_mean(self.parts, self.weights, self.clip_factor)
+
+
+class BoundedPartReducer(TensorPartReducer):
+    """TensorPartReducer whose result for each part is ``bounded_mean`` of the senders' parts."""
+
+    def __init__(self, part_shapes, num_senders: int, *, clip_factor: float):
+        self.clip_factor = clip_factor  # before super().__init__: it already calls reset_accumulators
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _PartCollector(self.clip_factor)
+
+
+class BoundedAllReduceRunner(AllReduceRunner):
+    def __init__(self, *, clip_factor: float, **kwargs):
+        super().__init__(**kwargs)
+        unused = self.tensor_part_reducer
+        unused.finished.set()  # it never ran: no "received 0% of input tensors" warning when it is collected
+        self.tensor_part_reducer = BoundedPartReducer(unused.part_shapes, unused.num_senders, clip_factor=clip_factor)
+
+
+class RobustAveragingMixin:
+    """For hivemind averagers (DecentralizedAverager subclasses): bounded contributions, finite results only.
+
+    ``contribution_clip``: the clip factor of ``bounded_mean``; 0 keeps hivemind's plain mean (NaN/inf
+    contributions are still dropped, and non-finite results are still refused).
+    """
+
+    def __init__(self, *args, contribution_clip: float = DEFAULT_CLIP_FACTOR, **kwargs):
+        self.contribution_clip = contribution_clip  # before super().__init__, which forks the averager process
+        super().__init__(*args, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info, group_id: Optional[bytes] = None,
+                                      **kwargs):
+        """hivemind's DecentralizedAverager._run_allreduce_inplace_ with the bounded runner and a finiteness check."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = BoundedAllReduceRunner(
+            clip_factor=self.contribution_clip, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
+            tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            received = refused = 0
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                received += 1
+                faults.maybe_die_in_allreduce(self, received)
+                refused += _keep_local_where_not_finite(update)
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+            if refused:
+                logger.warning("Averaging: received %d NaN/inf averaged values; kept the local values there", refused)
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+
+
+def _keep_local_where_not_finite(update: torch.Tensor) -> int:
+    """``update`` is (average - local value): a NaN/inf there would poison our tensor, so use 0 (keep ours).
+
+    Returns how many values were refused."""
+    bad = ~torch.isfinite(update)
+    count = int(bad.sum())
+    if count:
+        update.masked_fill_(bad, 0.0)
+    return count
