@@ -21,8 +21,9 @@ def test_assisting_aux_joins_averaging_and_restores_an_emptied_swarm(tmp_path):
         procs += trainers
         aux.wait_for("Serving the dashboard", timeout=120)
 
-        # the aux peer takes part in the trainers' gradient all-reduce: a group of three
-        aux.wait_for(r"Averaged gradients with 3 peers", timeout=150)
+        # the aux peer takes part in the trainers' gradient all-reduce (in a group with one or both of them:
+        # hivemind's matchmaking decides who meets whom)
+        aux.wait_for(r"Averaged gradients with [23] peers", timeout=150)
         wait_for(lambda: len(api_state(url)["swarm"]["epochs"]) >= 10 and api_state(url)["checkpoint"], timeout=180,
                  what="ten epochs of metrics and a checkpoint")
         epochs = [e for e in api_state(url)["swarm"]["epochs"] if e["loss"] is not None]
