@@ -67,9 +67,11 @@ def bounded_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], clip_f
     # a peer that averaged more samples deviates less by chance: compare norms scaled by sqrt(weight)
     noise_scale = (weight / _median(weight.view(-1, 1))[0]).clamp_min(1e-12).sqrt()
     norms = deviations.flatten(1).norm(dim=1) * noise_scale
-    bound = clip_factor * float(norms.sort().values[len(kept) // 2])  # upper median: an honest peer's
-    scale = torch.clamp(bound / norms.clamp_min(1e-30), max=1.0)
-    clipped = int((scale < 1).sum())
+    # upper median: an honest peer's; never below float32 rounding noise of the center (identical parts)
+    noise_floor = 1e-6 * float(center.norm())
+    bound = max(clip_factor * float(norms.sort().values[len(kept) // 2]), noise_floor)
+    scale = torch.where(norms > bound, bound / norms.clamp_min(1e-30), torch.ones_like(norms))
+    clipped = int((norms > bound).sum())
     if clipped:
         severe = float(norms.max()) > 10 * bound
         logger.log(logging.WARNING if severe else logging.INFO,

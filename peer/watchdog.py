@@ -201,22 +201,30 @@ def swarm_epoch(dht: hivemind.DHT, progress_key: str, timeout: float = 10.0) -> 
     return max(epochs) if epochs else None
 
 
-def resync_with_swarm(optimizer, attempts: int = 3) -> bool:
-    """After an isolation: download the swarm's state until this peer is at the swarm's epoch.
+def resync_with_swarm(optimizer, attempts: int = 3, epoch_timeout: float = 60.0) -> bool:
+    """After an isolation: take the swarm's state at the start of one of its epochs; True once in sync.
 
-    hivemind lets a peer that is one epoch behind train on with its stale parameters, and a download
-    that finishes just after the swarm's next step leaves the peer exactly there; True once in sync.
+    A state downloaded in the middle of an epoch is stale by the time this peer can join an averaging
+    round (the round's group formed before), and hivemind lets a peer one epoch behind train on with
+    stale parameters for good. So this waits until the swarm moves to its next epoch, then downloads.
     ``optimizer`` is a ``peer.collaboration.LeanHiveOptimizer``.
     """
     for _ in range(attempts):
-        try:
-            epoch = swarm_epoch(optimizer.dht, optimizer.tracker.training_progress_key)
-        except Exception as e:
-            logger.warning("Could not read the swarm's progress after re-joining: %r", e)
-            return False
+        epoch = _read_swarm_epoch(optimizer)
         if epoch is None or optimizer.local_epoch >= epoch:
-            return True
-        logger.info("Re-joined at epoch %d while the swarm is at %d: downloading its state",
-                    optimizer.local_epoch, epoch)
+            return epoch is not None
+        logger.info("Re-joined at epoch %d while the swarm is at %d: downloading its state when it starts its "
+                    "next epoch", optimizer.local_epoch, epoch)
+        deadline = time.monotonic() + epoch_timeout
+        while time.monotonic() < deadline and (_read_swarm_epoch(optimizer) or 0) <= epoch:
+            time.sleep(0.25)
         optimizer.load_state_checked()
     return False
+
+
+def _read_swarm_epoch(optimizer) -> Optional[int]:
+    try:
+        return swarm_epoch(optimizer.dht, optimizer.tracker.training_progress_key)
+    except Exception as e:
+        logger.warning("Could not read the swarm's progress: %r", e)
+        return None

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from tests.faults import scenarios
-from tests.netem.hosts import netns_unavailable_reason
+from tests.netem.hosts import netns_skip_marker
 
 FULL_FAULTS_ENV = "LEANHIVE_FULL_FAULTS"
 
@@ -21,14 +21,8 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.environ.get(FULL_FAULTS_ENV, "") in ("", "0"),
                        reason=f"slow fault scenarios over emulated links: set {FULL_FAULTS_ENV}=1 to run them"),
+    netns_skip_marker(),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def require_netns():
-    reason = netns_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
 
 
 def _explain(result) -> str:

@@ -11,18 +11,11 @@ import uuid
 import pytest
 
 from tests.netem.dht_agent import DHTAgent, close_agents
-from tests.netem.hosts import Testbed, netns_unavailable_reason
+from tests.netem.hosts import Testbed, netns_skip_marker
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), netns_skip_marker()]
 
 PORT = 40000
-
-
-@pytest.fixture(scope="module", autouse=True)
-def require_netns():
-    reason = netns_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
 
 
 def _poll(condition, timeout: float, interval: float = 0.5):

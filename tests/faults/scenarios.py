@@ -19,7 +19,8 @@ import torch
 
 from helpers.peers import wait_all
 from helpers.trainer_swarm import epoch_losses
-from tests.faults.swarm import INTERNET, STARTUP, NetemSwarm, SwarmPeer, SwarmSettings, param_distance, wait_until
+from test_aux_support import wait_for
+from tests.faults.swarm import BROADBAND, INTERNET, STARTUP, NetemSwarm, SwarmPeer, SwarmSettings, param_distance
 
 AUX_HOST = 0
 
@@ -70,6 +71,18 @@ def _loss_fell(trainer: SwarmPeer, min_drop: float = 0.2) -> bool:
     losses = epoch_losses(trainer.log())
     finite = {epoch: loss for epoch, loss in losses.items() if math.isfinite(loss)}
     return len(finite) >= 2 and finite[max(finite)] < finite[min(finite)] - min_drop
+
+
+def _mean_loss(trainers: Sequence[SwarmPeer], first: bool, epochs: int = 2) -> float:
+    """Mean loss per micro-step over the first (or last) ``epochs`` epochs the trainers logged."""
+    from helpers.trainer_swarm import EPOCH_DONE_RE
+
+    total = steps = 0.0
+    for trainer in trainers:
+        done = [(int(m.group(1)), float(m.group(2)), int(m.group(3))) for m in EPOCH_DONE_RE.finditer(trainer.log())]
+        for _, loss, micro_steps in (done[:epochs] if first else done[-epochs:]):
+            total, steps = total + loss * micro_steps, steps + micro_steps
+    return total / steps if steps else math.nan
 
 
 def _epoch_seconds(trainer: SwarmPeer) -> Optional[float]:
@@ -227,11 +240,14 @@ def partition_and_heal(folder: Path, *, partition_seconds: float = 30.0, match_w
     """c. One trainer is cut off for ``partition_seconds``, then the partition heals: within ``match_within``
     epochs it must re-join and hold the others' parameters (exact averaging: equal within ``tolerance``, or at
     least as close to them as they are to each other)."""
+    # Broadband links: with this tiny model an epoch lasts ~5 s, and at 100 ms RTT a state download plus an
+    # averaging round take most of that, so a re-joined peer would trail the swarm by one epoch (hivemind
+    # tolerates a peer one epoch behind); the partition itself is what this scenario is about.
     started = time.monotonic()
     settings = SwarmSettings(run_id="partition", compression="none")
-    details: Dict[str, Any] = {"link": INTERNET.describe(), "partition_seconds": partition_seconds}
+    details: Dict[str, Any] = {"link": BROADBAND.describe(), "partition_seconds": partition_seconds}
     epochs_lost, recover = 0, None
-    with NetemSwarm(folder, 4, settings, INTERNET) as swarm:
+    with NetemSwarm(folder, 4, settings, BROADBAND) as swarm:
         aux = swarm.start_aux(AUX_HOST, "aux", checkpoint_dir=folder / "checkpoints")
         join = aux.initial_peers(STARTUP)
         trainers = _start_trainers(swarm, ["t1", "t2", "cut"], [1, 2, 3], join)
@@ -739,23 +755,23 @@ def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
     """d. The aux peer is SIGKILLed (right after it downloaded a state to checkpoint) and restarted with
     --resume: no checkpoint is lost and its metrics resume.
     e. Then every trainer is SIGKILLed and new ones (fresh disks) start: they continue from the aux peer's
-    checkpoint epoch, not from scratch. One swarm for both (3 peers over 20 Mbit/s, 100 ms RTT)."""
+    checkpoint epoch, not from scratch. One swarm for both, on broadband links: the aux peer checkpoints a
+    state only after two identical downloads, which at 100 ms RTT take longer than this tiny model's epoch."""
     started = time.monotonic()
-    # epochs long enough for the aux peer to download a settled state over this link (about 4 s)
-    settings = SwarmSettings(run_id="auxrestart", target_batch_size=128)
+    settings = SwarmSettings(run_id="auxrestart")
     checkpoints = folder / "checkpoints"
     aux_flags = ["--checkpoint_every", "2", "--keep_checkpoints", "50"]
-    d: Dict[str, Any] = {"link": INTERNET.describe()}
-    e: Dict[str, Any] = {"link": INTERNET.describe()}
+    d: Dict[str, Any] = {"link": BROADBAND.describe()}
+    e: Dict[str, Any] = {"link": BROADBAND.describe()}
     d_recover = e_recover = None
     e_lost, d_lost, e_data_lost = 0, False, False
-    with NetemSwarm(folder, 5, settings, INTERNET) as swarm:
+    with NetemSwarm(folder, 5, settings, BROADBAND) as swarm:
         aux = swarm.start_aux(AUX_HOST, "aux", checkpoint_dir=checkpoints, extra=aux_flags)
         join = aux.initial_peers(STARTUP)
         old = _start_trainers(swarm, ["t1", "t2"], [1, 2], join)
         trainer_join = old[0].initial_peers(STARTUP)
         try:
-            aux.wait_for(r"Saved checkpoint of epoch", timeout=240)
+            aux.wait_for(r"Saved checkpoint of epoch", timeout=150)
             aux.wait_for(r"Downloaded the swarm's state of epoch", timeout=120,
                          count=aux.log().count("Downloaded the swarm's state of epoch") + 1)
         except (TimeoutError, RuntimeError) as error:
@@ -774,7 +790,7 @@ def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
         restarted.folder = aux.folder  # same identity (peer ID) as before the crash
         try:
             restarted.wait_for(r"Resumed from", timeout=STARTUP)
-            page = wait_until(lambda: (lambda p: p if (_metric(p, "global_epoch") or -1) > epoch_at_kill else None)(
+            page = wait_for(lambda: (lambda p: p if (_metric(p, "global_epoch") or -1) > epoch_at_kill else None)(
                 swarm.scrape_metrics(restarted)), timeout=120, interval=1.0, what="metrics past the crash epoch")
             d_recover = time.time() - killed_at
             d["metrics_epoch_after_restart"] = _metric(page, "global_epoch")
@@ -795,8 +811,7 @@ def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
 
         # e. every trainer dies at once; new ones with empty disks join through the aux peer
         last_epoch = max(t.last_epoch() for t in old)
-        last_losses = [epoch_losses(t.log()) for t in old]
-        e["last_loss_before"] = min(l[max(l)] for l in last_losses if l)
+        e["first_loss"], e["last_loss_before"] = _mean_loss(old, first=True), _mean_loss(old, first=False)
         for trainer in old:
             trainer.kill()
         wiped_at = time.time()
@@ -816,10 +831,10 @@ def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
             e_lost = max(0, last_epoch - min(joined))
             e_data_lost = min(joined) < newest_checkpoint
             _check(e, "new trainers continued from the aux checkpoint's epoch (or later)", not e_data_lost)
-            first_losses = [epoch_losses(t.log()) for t in fresh]
-            e["first_loss_after"] = max(l[min(l)] for l in first_losses)
-            _check(e, "training did not start over (loss near where it stopped)",
-                   e["first_loss_after"] < e["last_loss_before"] + 0.3)
+            e["first_loss_after"] = _mean_loss(fresh, first=True)
+            halfway = (e["first_loss"] + e["last_loss_before"]) / 2
+            _check(e, "training did not start over (loss nearer where it stopped than where it began)",
+                   e["first_loss_after"] < halfway)
         except (TimeoutError, RuntimeError) as error:
             e["error"] = str(error)[-300:]
             _check(e, "new trainers joined and trained", False)

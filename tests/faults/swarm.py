@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import re
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +49,7 @@ class LinkProfile:
 
 
 INTERNET = LinkProfile(mbit=20.0, rtt_ms=100.0)
+BROADBAND = LinkProfile(mbit=100.0, rtt_ms=20.0)
 
 
 @dataclass
@@ -57,7 +57,9 @@ class SwarmSettings:
     """Settings every peer of the run shares (trainers and aux peers must agree on them)."""
 
     run_id: str = "faults"
-    target_batch_size: int = 64
+    target_batch_size: int = 256
+    """Samples per global epoch: 8 steps of 32. Epochs must last well longer than a state download over the
+    emulated link (2-4 s), or a peer that falls behind keeps downloading a state that is already stale."""
     matchmaking_time: float = 2.0
     averaging_timeout: float = 8.0
     load_state_timeout: float = 30.0
@@ -149,7 +151,7 @@ class NetemSwarm:
                       env: Optional[Dict[str, str]] = None) -> SwarmPeer:
         folder = self.folder / name
         args = ["--config", "tiny", *self.settings.flags(self.folder), *self._network_flags(index, name),
-                "--output_dir", str(folder), "--per_device_batch_size", "16", "--startup_wait", "120"]
+                "--output_dir", str(folder), "--per_device_batch_size", "32", "--startup_wait", "120"]
         if initial_peers:
             args += ["--initial_peers", *initial_peers]
         env = {PARAMS_DIR_ENV: str(folder / "params"), **(env or {})}
@@ -179,23 +181,11 @@ class NetemSwarm:
         return result.stdout if result.returncode == 0 and result.stdout else None
 
     def partition(self, index: int) -> None:
+        """Cut the host off at its link (cable pulled at the switch: every packet to or from it is dropped, for
+        every protocol), and in the proxies (connections through them are reset or blackholed)."""
+        self.testbed.set_link_up(self.host(index), False)
         self.testbed.partition(self.host(index))
 
     def heal(self, index: int) -> None:
         self.testbed.heal(self.host(index))
-
-
-def wait_until(condition, timeout: float, interval: float = 0.5, what: str = "condition"):
-    """Poll ``condition()`` until it returns something truthy; TimeoutError after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
-def sigkill(peer: SwarmPeer) -> None:
-    peer.send_signal(signal.SIGKILL)
+        self.testbed.set_link_up(self.host(index), True)
