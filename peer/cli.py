@@ -5,6 +5,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Optional, Sequence
@@ -80,17 +81,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     process_guard.install()  # before any hivemind process exists
     peer = TrainerPeer(config)
     _install_signal_handlers(peer)
+    code = 0
     try:
         peer.start()
         peer.run()
     except NetworkSetupError as e:
         logger.error("%s", e)
-        return 1
+        code = 1
     except KeyboardInterrupt:
         logger.warning("Interrupted: leaving without finishing the current step")
     finally:
         peer.shutdown()
-    return 0
+    return exit_despite_stray_threads(code)
+
+
+def exit_despite_stray_threads(code: int) -> int:
+    """End the process with ``code`` once our own shutdown has run (backup written, DHT and averagers stopped).
+
+    A signal that interrupts hivemind.Optimizer's constructor while joining leaves parts it already started
+    (its ProgressTracker thread, an averager process) without an owner, and the interpreter's exit would wait
+    for them forever (multiprocessing joins its children at exit). So the CLI exits explicitly; hivemind's
+    child processes die with us (process_guard).
+    """
+    stray = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    if stray:
+        logger.debug("Exiting with threads still running: %s", ", ".join(stray))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -77,3 +77,17 @@ def test_unreachable_initial_peers_give_a_clear_error(tmp_path):
     assert "omit --initial_peers" in log
     assert "Traceback" not in log
     assert not peer.wait_until_gone(timeout=10)
+
+
+@pytest.mark.parametrize("delay", [1.0, 3.0])
+def test_sigterm_while_joining_exits_promptly(delay, tmp_path):
+    """A signal that lands inside hivemind.Optimizer's constructor must not leave the process hanging at exit."""
+    import time
+
+    peer = PeerProcess(["--config", "tiny", "--model_config", tiny_model_config(tmp_path),
+                        "--output_dir", tmp_path / "out"], name="joining", log_path=tmp_path / "joining.log").start()
+    peer.wait_for(r"--initial_peers /ip4/", timeout=120)
+    time.sleep(delay)
+    assert peer.stop(timeout=30) == 0, peer.tail()
+    assert "Shut down cleanly" in peer.log()
+    assert not peer.wait_until_gone(timeout=10)
