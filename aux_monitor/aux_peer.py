@@ -61,12 +61,10 @@ def build_swarm_model(model_config: str) -> LeanGPTForCausalLM:
 
 def build_validation_set(data: DataArguments, vocab_size: int) -> list:
     """Only called when evaluation is on: the tokenizer and dataset are never loaded otherwise."""
-    from peer.data import build_validation_dataset, load_tokenizer
+    from peer.data import build_validation_dataset, check_tokenizer_fits, load_tokenizer
 
     tokenizer = load_tokenizer(data)
-    if len(tokenizer) > vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}; "
-                         "use the trainers' --tokenizer and --model_config")
+    check_tokenizer_fits(tokenizer, vocab_size)
     blocks = build_validation_dataset(data, tokenizer)
     logger.info("Validation set: %d blocks of %d tokens", len(blocks), data.max_sequence_length)
     return blocks
@@ -76,6 +74,7 @@ class AuxPeer:
     def __init__(self, config: AuxConfig):
         self.config = config
         self.stop_requested = threading.Event()
+        self.running = False  # set once start() is done: before that a stop request interrupts at once
         self.dht: Optional[hivemind.DHT] = None
         self.watchdog: Optional[DHTWatchdog] = None
         self.optimizer: Optional[hivemind.Optimizer] = None
@@ -121,6 +120,7 @@ class AuxPeer:
                                     host=aux.metrics_host, port=aux.metrics_port).start()
         logger.info("Serving the dashboard on http://%s:%d/ and Prometheus metrics on http://%s:%d/metrics",
                     aux.metrics_host, self.server.port, aux.metrics_host, self.server.port)
+        self.running = True
 
     def request_stop(self) -> None:
         self.stop_requested.set()

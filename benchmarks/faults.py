@@ -10,8 +10,10 @@ Scenarios on emulated links are listed as skipped where network namespaces are u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -24,7 +26,24 @@ from tests.faults.scenarios import MATRIX, ScenarioResult  # noqa: E402
 from tests.netem.hosts import netns_unavailable_reason  # noqa: E402
 
 
-def run(only: set, folder: Path) -> list:
+@contextlib.contextmanager
+def stderr_to(path: Path):
+    """The in-process scenarios log the damage they were built to cause (corrupt files, refused records):
+    that goes to a file next to the peers' logs, so the console shows only progress and the table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def run(only: set, folder: Path, progress) -> list:
     netns_problem = None
     results = []
     for scenario in MATRIX:
@@ -38,14 +57,15 @@ def run(only: set, folder: Path) -> list:
                 continue
         started = time.monotonic()
         try:
-            produced = scenario.run(folder / scenario.keys)
+            with stderr_to(folder / scenario.keys / "scenario.log"):
+                produced = scenario.run(folder / scenario.keys)
         except Exception as e:  # a scenario that crashes is a row that did not survive, not a lost table
             logging.exception("scenario %s crashed", scenario.keys)
             produced = ScenarioResult(f"{scenario.keys}. crashed: {e!r}"[:120], survived=False, epochs_lost=0,
                                       recover_seconds=None, data_lost=False, seconds=time.monotonic() - started)
         results += produced if isinstance(produced, list) else [produced]
         print(f"  {results[-1].scenario}: {'survived' if results[-1].survived else 'FAILED'} "
-              f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+              f"({time.monotonic() - started:.0f} s)", file=progress, flush=True)
     return results
 
 
@@ -72,7 +92,8 @@ def main() -> int:
     only = {letter.strip() for letter in args.only.split(",") if letter.strip()}
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="leanhive-faults-"))
     started = time.monotonic()
-    results = run(only, folder)
+    progress = os.fdopen(os.dup(2), "w")  # the real console, while stderr goes to the scenario's log
+    results = run(only, folder, progress)
     print(table(results))
     print(f"\nwhole run: {time.monotonic() - started:.0f} s; peers' logs in {folder}")
     if args.json:

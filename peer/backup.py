@@ -6,6 +6,7 @@ the previous one is used instead.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -75,22 +76,25 @@ def atomic_torch_save(obj, path: Path) -> None:
 
 def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[Path]:
     """Parameters + optimizer state + epoch; refuses (returns None) if anything is NaN/inf."""
-    opt_state = optimizer.state_dict()
-    opt_tensors = [t for state in opt_state["state"].values() if isinstance(state, dict)
-                   for t in state.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not all_finite(model.parameters()) or not all_finite(opt_tensors):
-        logger.error("Not writing a backup: parameters or optimizer statistics are NaN/inf; "
-                     "the previous backup is kept")
-        return None
-    path = Path(output_dir) / BACKUP_NAME
-    payload = dict(model=model.state_dict(), optimizer=opt_state, schema=_schema(model),
-                   epoch=optimizer.local_epoch)
-    payload["digest"] = tensor_digest(payload)
-    if path.exists():  # the newest becomes the previous one; a crash before the next line leaves that one
-        os.replace(path, path.with_name(PREVIOUS_BACKUP_NAME))
-    atomic_torch_save(payload, path)
-    logger.info("Wrote a local backup at global epoch %d to %s", optimizer.local_epoch, path)
-    return path
+    # a delayed optimizer step runs in hivemind's background thread under this lock: no half-updated snapshot
+    lock = getattr(getattr(optimizer, "state_averager", None), "lock_optimizer", None) or contextlib.nullcontext()
+    with lock:
+        opt_state = optimizer.state_dict()
+        opt_tensors = [t for state in opt_state["state"].values() if isinstance(state, dict)
+                       for t in state.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not all_finite(model.parameters()) or not all_finite(opt_tensors):
+            logger.error("Not writing a backup: parameters or optimizer statistics are NaN/inf; "
+                         "the previous backup is kept")
+            return None
+        path = Path(output_dir) / BACKUP_NAME
+        payload = dict(model=model.state_dict(), optimizer=opt_state, schema=_schema(model),
+                       epoch=optimizer.local_epoch)
+        payload["digest"] = tensor_digest(payload)
+        if path.exists():  # the newest becomes the previous one; a crash before the next line leaves that one
+            os.replace(path, path.with_name(PREVIOUS_BACKUP_NAME))
+        atomic_torch_save(payload, path)
+        logger.info("Wrote a local backup at global epoch %d to %s", optimizer.local_epoch, path)
+        return path
 
 
 def load_backup(output_dir: str, model: torch.nn.Module, optimizer) -> bool:

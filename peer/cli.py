@@ -8,12 +8,12 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence, Tuple, Type
 
 from peer import process_guard
 from peer.arguments import CollaborationArguments, OptimizerArguments, TrainingArguments
 from peer.cli_args import DataclassArgumentParser
-from peer.data import DataArguments
+from peer.data import DataArguments, check_tokenizer_fits, load_tokenizer
 from peer.model_setup import choose_placement, load_model_config
 from peer.network import NetworkArguments, NetworkSetupError
 from peer.trainer import TrainerConfig, TrainerPeer
@@ -43,9 +43,10 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> TrainerConfig:
     parser = build_parser()
     network, collaboration, optimizer, training, data = parser.parse_into_dataclasses(argv)
     try:
-        load_model_config(training.model_config)
+        model_config = load_model_config(training.model_config)
         choose_placement(training)
-    except ValueError as e:
+        check_tokenizer_fits(load_tokenizer(data), model_config.vocab_size)
+    except (OSError, ValueError) as e:
         parser.error(str(e))
     return TrainerConfig(network=network, collaboration=collaboration, optimizer=optimizer,
                          training=training, data=data)
@@ -63,36 +64,81 @@ def configure_logging() -> None:
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
 
 
-def _install_signal_handlers(peer: TrainerPeer) -> None:
-    def handle(signum, _frame):
-        if peer.stop_requested.is_set() or not peer.running:
-            raise KeyboardInterrupt  # a second signal, or still joining: stop now
-        logger.info("Received %s: finishing the current step, then leaving the swarm",
-                    signal.Signals(signum).name)
-        peer.request_stop()
+class Peer(Protocol):
+    """What run_peer needs of a trainer or aux peer."""
+    stop_requested: threading.Event
+    running: bool  # False until start() has finished joining
 
-    signal.signal(signal.SIGINT, handle)
-    signal.signal(signal.SIGTERM, handle)
+    def start(self) -> None: ...
+    def run(self) -> None: ...
+    def request_stop(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+STOP_GRACE_SECONDS = 20.0  # after a stop signal, the current step may take this long; shutdown gets the rest of 30 s
+
+
+class _SignalHandler:
+    """First SIGINT/SIGTERM: finish the current step, then leave. A second one, a signal while still joining, or
+    a step still running STOP_GRACE_SECONDS later (e.g. an all-reduce waiting out averaging_timeout) stop at once
+    (KeyboardInterrupt in the main thread); shutdown still writes the backup."""
+
+    def __init__(self, peer: Peer):
+        self.peer = peer
+        self.shutting_down = False
+        self._deadline: Optional[threading.Timer] = None
+        signal.signal(signal.SIGINT, self)
+        signal.signal(signal.SIGTERM, self)
+
+    def __call__(self, signum, _frame):
+        if self.shutting_down:
+            logger.info("Received %s: already shutting down", signal.Signals(signum).name)
+            return
+        if self.peer.stop_requested.is_set() or not self.peer.running:
+            raise KeyboardInterrupt  # a second signal, or still joining: stop now
+        logger.info("Received %s: finishing the current step, then leaving the swarm (a second signal stops "
+                    "at once)", signal.Signals(signum).name)
+        self.peer.request_stop()
+        self._deadline = threading.Timer(STOP_GRACE_SECONDS, self._step_overran, args=(signum,))
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _step_overran(self, signum: int) -> None:
+        if not self.shutting_down:
+            logger.warning("The current step is still running %.0f s after the stop signal: interrupting it",
+                           STOP_GRACE_SECONDS)
+            # aimed at the main thread so that a wait it is blocked in is interrupted; runs the stop-now branch
+            signal.pthread_kill(threading.main_thread().ident, signum)
+
+    def begin_shutdown(self) -> None:
+        self.shutting_down = True
+        if self._deadline is not None:
+            self._deadline.cancel()
+
+
+def run_peer(peer: Peer, *, setup_errors: Tuple[Type[BaseException], ...] = (NetworkSetupError,)) -> int:
+    """Start, run until done or signalled, always shut down, then end the process (exit 1 on a setup error)."""
+    signals = _SignalHandler(peer)
+    code = 0
+    try:
+        peer.start()
+        peer.run()
+    except setup_errors as e:
+        logger.error("%s", e)
+        code = 1
+    except KeyboardInterrupt:
+        logger.warning("Interrupted: leaving without finishing the current step")
+    finally:
+        signals.begin_shutdown()
+        peer.shutdown()
+    return exit_despite_stray_threads(code)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     config = parse_config(argv)
     configure_logging()
     process_guard.install()  # before any hivemind process exists
-    peer = TrainerPeer(config)
-    _install_signal_handlers(peer)
-    code = 0
-    try:
-        peer.start()
-        peer.run()
-    except NetworkSetupError as e:
-        logger.error("%s", e)
-        code = 1
-    except KeyboardInterrupt:
-        logger.warning("Interrupted: leaving without finishing the current step")
-    finally:
-        peer.shutdown()
-    return exit_despite_stray_threads(code)
+    return run_peer(TrainerPeer(config))
 
 
 def exit_despite_stray_threads(code: int) -> int:

@@ -123,7 +123,11 @@ def _default_text(field: dataclasses.Field) -> str:
 class DataclassArgumentParser(argparse.ArgumentParser):
     """argparse over several config dataclasses, plus ``--config`` for a YAML run preset."""
 
-    def __init__(self, dataclass_types: Sequence[Type], *, preset_dirs: Sequence[Path] = (), **kwargs):
+    def __init__(self, dataclass_types: Sequence[Type], *, preset_dirs: Sequence[Path] = (),
+                 preset_only: Sequence[Type] = (), **kwargs):
+        """``preset_only``: dataclasses whose fields a preset may set (type-checked, then dropped) but that get
+        no flag and no instance; lets one program read presets written for another (the aux peer reads the
+        trainers' presets) while a misspelt key still ends the program."""
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         kwargs.setdefault("argument_default", argparse.SUPPRESS)  # so we know which flags were given
         super().__init__(**kwargs)
@@ -137,6 +141,8 @@ class DataclassArgumentParser(argparse.ArgumentParser):
                                "line override it")
         for cls in self.dataclass_types:
             self._add_dataclass(cls)
+        for cls in preset_only:
+            self._add_preset_only(cls)
 
     def _add_dataclass(self, cls: Type) -> None:
         docs = field_docs(cls)
@@ -154,6 +160,14 @@ class DataclassArgumentParser(argparse.ArgumentParser):
             help_text = docs.get(field.name, "").replace("%", "%%")
             kwargs["help"] = f"{help_text} (default: {_default_text(field)})".strip()
             group.add_argument(f"--{field.name}", dest=field.name, **kwargs)
+
+    def _add_preset_only(self, cls: Type) -> None:
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            if field.init and field.name not in self._owner:
+                # owned by a class that is never constructed, so parse_into_dataclasses drops the value
+                self._owner[field.name] = cls
+                self._parsers[field.name] = _flag_kwargs(hints[field.name])
 
     def known_fields(self) -> List[str]:
         return sorted(self._owner)

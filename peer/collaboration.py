@@ -114,9 +114,39 @@ class CheckedStateAverager(AuthorizedAveragerMixin, RobustAveragingMixin, Traini
     """TrainingStateAverager whose super().load_state_from_peers goes through _DownloadRecorder (see MRO),
     with an allowlist for its RPCs and bounded contributions (peer.auth, peer.robust)."""
 
+    _loading = False
+    applied_epoch: Optional[int] = None
+
+    def get_current_state(self):
+        """The state served to a joining peer, as one consistent snapshot.
+
+        hivemind copies it under lock_averaged_tensors, which the optimizer step does not take, and on CPU its
+        ``.cpu()`` returns the very tensors the step updates in place while they are being serialized. So the
+        snapshot is taken under lock_optimizer and cloned.
+        """
+        with self.lock_optimizer:
+            metadata, tensors, infos = super().get_current_state()
+            tensors = [tensor.clone() for tensor in tensors]
+        return metadata, tensors, infos
+
+    def load_state_from_peers(self, **kwargs):
+        self.applied_epoch, self._loading = None, True
+        try:
+            return super().load_state_from_peers(**kwargs)
+        finally:
+            self._loading = False
+
+    def _update_scheduler(self):
+        # TrainingStateAverager calls this right after applying a downloaded state (and on its own steps):
+        # the one exact sign that the download was applied, not refused as stale or malformed
+        if self._loading:
+            self.applied_epoch = self.local_epoch
+        super()._update_scheduler()
+
     def state_arrived(self) -> bool:
-        """True if the last download delivered a state and it was applied (its epoch became ours)."""
-        return self.downloaded_epoch is not None and self.local_epoch == self.downloaded_epoch
+        """True if the last download delivered a state and it was applied (hivemind.Optimizer may then
+        advance local_epoch by one more to catch up with the swarm; that still counts)."""
+        return self.downloaded_epoch is not None and self.applied_epoch == self.downloaded_epoch
 
 
 class LeanHiveGradientAverager(AuthorizedAveragerMixin, RobustAveragingMixin, faults.GradientFaultsMixin,

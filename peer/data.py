@@ -240,6 +240,14 @@ def load_tokenizer(args: DataArguments):
     return tokenizer
 
 
+def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
+    """Every token id must have an embedding row: ValueError (saying which flags to fix) otherwise."""
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"the tokenizer {tokenizer.name_or_path!r} has {len(tokenizer)} tokens but the model's "
+                         f"vocab_size is {vocab_size}; use the --tokenizer the run was made for, or a "
+                         f"--model_config with vocab_size >= {len(tokenizer)}")
+
+
 def _document_separator_id(tokenizer) -> int:
     for token_id in (tokenizer.eos_token_id, tokenizer.sep_token_id):
         if token_id is not None:

@@ -29,7 +29,8 @@ from peer.collaboration import (
     join_swarm,
     wait_for_swarm,
 )
-from peer.data import DataArguments, SequenceLengthSchedule, build_train_dataset, load_tokenizer, make_batches
+from peer.data import (DataArguments, SequenceLengthSchedule, build_train_dataset, check_tokenizer_fits, load_tokenizer,
+                       make_batches)
 from peer.metrics import LocalMetrics, publish_metrics
 from peer.model_setup import Placement, build_model, choose_placement
 from peer.network import (
@@ -132,10 +133,7 @@ class TrainerPeer:
     def _build_data(self) -> None:
         data = self.config.data
         tokenizer = load_tokenizer(data)
-        vocab = len(tokenizer)
-        if vocab > self.model.config.vocab_size:
-            raise ValueError(f"the tokenizer has {vocab} tokens but the model's vocab_size is "
-                             f"{self.model.config.vocab_size}; use a model config with vocab_size >= {vocab}")
+        check_tokenizer_fits(tokenizer, self.model.config.vocab_size)  # parse_config checked it already
         stream = build_train_dataset(data, tokenizer, peer_seed=_peer_seed(self.dht))
         schedule = SequenceLengthSchedule(data)
         self._batches = make_batches(stream, self.config.training.per_device_batch_size,

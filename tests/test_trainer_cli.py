@@ -55,6 +55,25 @@ def test_bad_values_exit_2_with_a_message(args, message, tmp_path, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.timeout(60)
+def test_tokenizer_problems_exit_2_before_joining(tmp_path, capsys):
+    import json
+
+    from helpers.peers import TINY_MODEL
+    from peer.cli import parse_config
+
+    small = tmp_path / "small_vocab.json"
+    small.write_text(json.dumps({**TINY_MODEL, "vocab_size": 1000}))
+    cases = [(["--model_config", str(small)], "has 4096 tokens but the model's vocab_size is 1000"),
+             (["--model_config", str(tiny_model_config(tmp_path)), "--tokenizer", str(tmp_path / "missing")],
+              "could not load tokenizer")]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_config(args)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.timeout(150)
 def test_bad_preset_exits_2_end_to_end(tmp_path):
     preset = tmp_path / "run.yaml"

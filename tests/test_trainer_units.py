@@ -270,3 +270,42 @@ def test_children_die_with_a_sigkilled_parent(tmp_path):
     assert len(peer.snapshot_tree()) == 3
     peer.kill()
     assert not peer.wait_until_gone(timeout=10)
+
+
+_STUCK_PEER = textwrap.dedent("""
+    import logging, os, signal, sys, threading, time
+    import peer.cli as cli
+
+    class StuckPeer:  # its step never ends by itself, like an all-reduce waiting out a long averaging_timeout
+        def __init__(self):
+            self.stop_requested, self.running = threading.Event(), False
+        def start(self):
+            self.running = True
+        def run(self):
+            print("running", flush=True)
+            threading.Event().wait()
+        def request_stop(self):
+            self.stop_requested.set()
+        def shutdown(self):
+            print("backup written", flush=True)
+
+    logging.basicConfig(level=logging.INFO)
+    cli.STOP_GRACE_SECONDS = float(sys.argv[1])
+    cli.run_peer(StuckPeer())
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_signal_interrupts_a_step_that_overruns_the_grace_period(tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK_PEER)
+    peer = PeerProcess(["2"], script=str(script), name="stuck", log_path=tmp_path / "stuck.log").start()
+    peer.wait_for("running", timeout=30)
+    started = time.monotonic()
+    assert peer.stop(signal.SIGTERM, timeout=20) == 0
+    assert 1.5 < time.monotonic() - started < 10
+    log = peer.log()
+    assert "interrupting it" in log and "Interrupted: leaving" in log and "backup written" in log
