@@ -29,9 +29,6 @@ class AuxArguments:
     """Download the swarm's state and write a checkpoint every this many global epochs; 0 disables."""
     keep_checkpoints: int = 3
     """How many of the newest valid checkpoints to keep; older ones are deleted."""
-    download_settle_time: float = 2.0
-    """A downloaded state is used only if no trainer changed epoch within this many seconds after the download
-    (catches states served mid optimizer step); raise it for models whose optimizer step takes longer."""
     resume: bool = False
     """At start, load the newest valid checkpoint from checkpoint_dir and offer it to joining trainers."""
     assist_in_averaging: bool = False
@@ -61,7 +58,6 @@ class AuxArguments:
         positive_number("refresh_period")
         positive_number("alive_window")
         positive_number("assist_refresh")
-        positive_number("download_settle_time")
         check(isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
               f"metrics_port must be a TCP port (0-65535; 0 picks a free one), got {self.metrics_port!r}")
         check(bool(self.checkpoint_dir), "checkpoint_dir must be a folder path")

@@ -105,8 +105,7 @@ class AuxPeer:
             model=model, dht=self.dht, run_id=net.run_id, signing_key=signing_key, batch_size_per_step=None,
             collab=self.config.collaboration, optim=self.config.optimizer, client_mode=False, auxiliary=True)
         replica = SwarmReplica(model=model, optimizer=self.optimizer,
-                               load_state_timeout=self.config.collaboration.load_state_timeout,
-                               settle_time=aux.download_settle_time)
+                               load_state_timeout=self.config.collaboration.load_state_timeout)
         holder = StateHolder(MonitorState(run_id=net.run_id, initial_peers=join_line,
                                           swarm=SwarmSnapshot.empty(get_dht_time())))
         if aux.upload_to_hub:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-import time
 from typing import Optional
 
 import hivemind
@@ -23,12 +22,10 @@ logger = logging.getLogger(__name__)
 
 
 class SwarmReplica:
-    def __init__(self, *, model: torch.nn.Module, optimizer: hivemind.Optimizer, load_state_timeout: float,
-                 settle_time: float):
+    def __init__(self, *, model: torch.nn.Module, optimizer: hivemind.Optimizer, load_state_timeout: float):
         self.model = model
         self.optimizer = optimizer
         self.load_state_timeout = load_state_timeout
-        self.settle_time = settle_time  # seconds after a download in which no trainer may change epoch
         self.held_epoch: Optional[int] = None  # epoch of the parameters we hold; None: nothing loaded yet
         self._lock = threading.RLock()  # downloads, restores, captures and assist steps never overlap
         self._set_sharing(False)
@@ -38,43 +35,21 @@ class SwarmReplica:
         """The swarm's global epoch as hivemind's progress tracker sees it."""
         return self.optimizer.tracker.global_epoch
 
-    def download(self, attempts: int = 3) -> Optional[int]:
-        """Load the newest state a trainer offers; returns its epoch, or None if no consistent state arrived.
+    def download(self) -> Optional[int]:
+        """Load the newest state a trainer offers; returns its epoch, or None if no state arrived.
 
-        hivemind streams a trainer's live tensors and bumps its epoch label before the optimizer step runs,
-        so a download that overlaps a trainer's epoch transition can be torn, or labelled one epoch ahead of
-        its parameters. A download is therefore accepted only if the epoch the trainers report was the
-        state's epoch just before it and still is ``settle_time`` seconds after it.
+        Trainers serve one consistent snapshot labelled with the epoch its parameters are really at
+        (peer.collaboration.CheckedStateAverager), so a state that arrived and was applied can be used as is,
+        however fast the swarm changes epoch.
         """
         with self._lock:
-            for _ in range(attempts):
-                before = self._reported_epoch()
-                epoch = self._download_once()
-                if epoch is None:
-                    return None
-                time.sleep(self.settle_time)
-                after = self._reported_epoch()
-                if before == epoch == after:
-                    self._adopt_epoch(epoch)
-                    return epoch
-                logger.info("The swarm changed epoch around the download (trainers reported epoch %s before, "
-                            "%s after; the state says %s); downloading again", before, after, epoch)
-            logger.warning("The swarm kept changing epoch during %d downloads; trying again later", attempts)
-            return None
-
-    def _download_once(self) -> Optional[int]:
-        averager = self.optimizer.state_averager
-        averager.load_state_from_peers(timeout=self.load_state_timeout)
-        return averager.local_epoch if averager.state_arrived() else None
-
-    def _reported_epoch(self) -> Optional[int]:
-        """The newest epoch in the trainers' hivemind progress records, read from the DHT now."""
-        tracker = self.optimizer.tracker
-        found = self.optimizer.dht.get(tracker.training_progress_key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return None
-        epochs = [entry.value.get("epoch") for entry in found.value.values() if isinstance(entry.value, dict)]
-        return max((e for e in epochs if isinstance(e, int)), default=None)
+            averager = self.optimizer.state_averager
+            averager.load_state_from_peers(timeout=self.load_state_timeout)
+            if not averager.state_arrived():
+                return None
+            epoch = averager.local_epoch
+            self._adopt_epoch(epoch)
+            return epoch
 
     def restore(self, state: TrainingState) -> None:
         """Put a checkpoint's state into the optimizer (parameters, statistics, schedule, epoch)."""
@@ -86,7 +61,7 @@ class SwarmReplica:
             averager.optimizer.load_state_dict(state.optimizer_state)
             if averager.scheduler is not None and state.scheduler_state is not None:
                 averager.scheduler.load_state_dict(state.scheduler_state)
-            averager.local_epoch = state.epoch
+            averager.parameters_replaced(state.epoch)
             sync_offloaded_parameters(self.optimizer)
             self._adopt_epoch(state.epoch)
         logger.info("Restored the swarm state of epoch %d; offering it to joining trainers", state.epoch)

@@ -116,18 +116,35 @@ class CheckedStateAverager(AuthorizedAveragerMixin, RobustAveragingMixin, Traini
 
     _loading = False
     applied_epoch: Optional[int] = None
+    # The epoch the parameters really are at, while local_epoch runs ahead of them: hivemind bumps local_epoch
+    # before the optimizer step that produces that epoch's parameters, and hivemind.Optimizer bumps it after a
+    # download to catch up with the swarm. None: the parameters are at local_epoch.
+    _params_epoch: Optional[int] = None
 
     def get_current_state(self):
-        """The state served to a joining peer, as one consistent snapshot.
+        """The state served to a joining peer (or an aux peer's checkpoint): one consistent snapshot, labelled
+        with the epoch its parameters are really at.
 
         hivemind copies it under lock_averaged_tensors, which the optimizer step does not take, and on CPU its
         ``.cpu()`` returns the very tensors the step updates in place while they are being serialized. So the
-        snapshot is taken under lock_optimizer and cloned.
+        snapshot is taken under lock_optimizer (which the step holds until it has updated the epoch) and cloned.
         """
         with self.lock_optimizer:
             metadata, tensors, infos = super().get_current_state()
             tensors = [tensor.clone() for tensor in tensors]
+            if self._params_epoch is not None:
+                metadata["epoch"] = min(self._params_epoch, self.local_epoch)  # min: a restore may go back
         return metadata, tensors, infos
+
+    def step(self, *args, increment_epoch: bool = False, optimizer_step: bool = False, **kwargs):
+        if increment_epoch and optimizer_step and self._params_epoch is None:
+            self._params_epoch = self.local_epoch  # until _update_scheduler, after the step, under lock_optimizer
+        return super().step(*args, increment_epoch=increment_epoch, optimizer_step=optimizer_step, **kwargs)
+
+    def parameters_replaced(self, epoch: int) -> None:
+        """The parameters and statistics were just replaced by a state of ``epoch`` (a checkpoint, a backup)."""
+        self.local_epoch = epoch
+        self._params_epoch = None
 
     def load_state_from_peers(self, **kwargs):
         self.applied_epoch, self._loading = None, True
@@ -137,10 +154,13 @@ class CheckedStateAverager(AuthorizedAveragerMixin, RobustAveragingMixin, Traini
             self._loading = False
 
     def _update_scheduler(self):
-        # TrainingStateAverager calls this right after applying a downloaded state (and on its own steps):
-        # the one exact sign that the download was applied, not refused as stale or malformed
+        # TrainingStateAverager calls this right after applying a downloaded state (the one exact sign that the
+        # download was applied, not refused as stale or malformed), and after each optimizer step
         if self._loading:
             self.applied_epoch = self.local_epoch
+            self._params_epoch = self.local_epoch  # hivemind.Optimizer may bump local_epoch right after
+        else:
+            self._params_epoch = None
         super()._update_scheduler()
 
     def state_arrived(self) -> bool:
@@ -168,6 +188,10 @@ class LeanHiveOptimizer(hivemind.Optimizer):
     @property
     def lamb(self) -> CPULamb8Bit:
         return self.state_averager.optimizer
+
+    def load_state_dict(self, state_dict: dict):
+        super().load_state_dict(state_dict)
+        self.state_averager.parameters_replaced(self.local_epoch)
 
     def load_state_checked(self) -> bool:
         """Download the swarm's state; True only if a peer answered and the state was applied."""

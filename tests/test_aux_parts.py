@@ -25,7 +25,7 @@ from test_aux_support import REPO_ROOT
     (dict(checkpoint_every=-1), "checkpoint_every"),
     (dict(keep_checkpoints=0), "keep_checkpoints"),
     (dict(eval_batch_size=0), "eval_batch_size"),
-    (dict(download_settle_time=float("nan")), "download_settle_time"),
+    (dict(alive_window=float("nan")), "alive_window"),
     (dict(upload_to_hub="not a repo"), "upload_to_hub"),
     (dict(upload_to_hub="org/name", checkpoint_every=0), "checkpoint_every"),
 ])

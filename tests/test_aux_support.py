@@ -76,8 +76,7 @@ def start_aux(name: str, folder: Path, port: int, *extra) -> PeerProcess:
     """An aux peer on the trainers' run preset (so collaboration/optimizer settings match theirs)."""
     args = ["--config", "tiny", "--model_config", tiny_model_config(folder), "--run_id", RUN_ID,
             "--refresh_period", "1", "--alive_window", "15", "--metrics_host", "127.0.0.1", "--metrics_port", port,
-            "--checkpoint_dir", folder / "ckpt", "--checkpoint_every", 2, "--keep_checkpoints", 3,
-            "--download_settle_time", 0.5, *extra]
+            "--checkpoint_dir", folder / "ckpt", "--checkpoint_every", 2, "--keep_checkpoints", 3, *extra]
     return PeerProcess(args, name=name, log_path=folder / f"{name}.log", script="run_aux_peer.py").start()
 
 

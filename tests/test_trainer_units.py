@@ -239,6 +239,38 @@ def test_backups_are_atomic_and_never_replaced_by_broken_ones(tmp_path, solo_opt
     assert not backup.load_backup(str(tmp_path), model, opt)  # ignored with a log line, no crash
 
 
+@pytest.mark.timeout(120)
+def test_served_state_is_a_consistent_snapshot_labelled_with_its_true_epoch(solo_optimizer):
+    """hivemind bumps local_epoch before the optimizer step of that epoch runs: a joiner (or an aux checkpoint)
+    that downloads in between must get the old parameters labelled with the old epoch, as copies."""
+    model, opt = solo_optimizer
+    averager = opt.state_averager
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert opt.local_epoch == 1
+    served = {}
+
+    def download_in_the_window():  # runs in hivemind's executor after the bump, before the optimizer step
+        served["local_epoch"] = averager.local_epoch
+        served["metadata"], served["tensors"], _ = averager.get_current_state()
+
+    before = [p.detach().clone() for group in averager.optimizer.param_groups for p in group["params"]]
+    model(torch.randn(4, 8)).sum().backward()
+    averager._load_local_grads_into_optimizer_()
+    averager.step(increment_epoch=True, optimizer_step=True, wait_for_trigger=download_in_the_window)
+    after = [p for group in averager.optimizer.param_groups for p in group["params"]]
+
+    assert served["local_epoch"] == 2 and served["metadata"]["epoch"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(served["tensors"], before))
+    assert not any(torch.equal(a, b) for a, b in zip(before, after)), "the step changed every parameter"
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(served["tensors"], after)), "served live tensors"
+    metadata, tensors, _ = averager.get_current_state()  # after the step: the new parameters, the new epoch
+    assert metadata["epoch"] == 2 and all(torch.equal(a, b) for a, b in zip(tensors, after))
+
+    opt.load_state_dict(opt.state_dict())  # a restored backup: its epoch is the parameters' epoch
+    assert averager.get_current_state()[0]["epoch"] == opt.local_epoch == 2
+
+
 # ---------------------------------------------------------------------------------------- process guard
 
 _GUARDED = textwrap.dedent("""

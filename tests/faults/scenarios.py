@@ -91,6 +91,20 @@ def _loss_fell(trainer: SwarmPeer, min_drop: float = 0.2) -> bool:
     return len(finite) >= 2 and finite[max(finite)] < finite[min(finite)] - min_drop
 
 
+def _fitted_loss_drop(trainer: SwarmPeer) -> float:
+    """How much a least-squares line through the per-epoch losses falls from the first epoch to the last: the
+    trend, not two noisy end points (one epoch's loss wobbles by about 0.05 here)."""
+    finite = {e: v for e, v in epoch_losses(trainer.log()).items() if math.isfinite(v)}
+    if len(finite) < 3:
+        return math.nan
+    epochs = sorted(finite)
+    mean_e = sum(epochs) / len(epochs)
+    mean_v = sum(finite.values()) / len(epochs)
+    slope = (sum((e - mean_e) * (finite[e] - mean_v) for e in epochs)
+             / sum((e - mean_e) ** 2 for e in epochs))
+    return -slope * (epochs[-1] - epochs[0])
+
+
 def _mean_loss(trainers: Sequence[SwarmPeer], first: bool, epochs: int = 2) -> float:
     """Mean loss per micro-step over the first (or last) ``epochs`` epochs the trainers logged."""
     from helpers.trainer_swarm import EPOCH_DONE_RE
@@ -380,7 +394,10 @@ def poisoned_gradients(folder: Path, *, epochs: int = 10, scale: float = 1e6) ->
         _check(details, "honest parameters stayed finite at every epoch", finite)
         losses = [epoch_losses(t.log()) for t in honest]
         details["honest_losses"] = [{e: round(v, 4) for e, v in sorted(l.items())} for l in losses]
-        _check(details, "honest loss kept falling", all(_loss_fell(t, min_drop=0.3) for t in honest))
+        # the clean tiny swarm learns about 0.03 per epoch at this point; ask for two thirds of that pace
+        drops = [_fitted_loss_drop(t) for t in honest]
+        details["honest_fitted_loss_drop"] = [round(d, 3) for d in drops]
+        _check(details, "honest loss kept falling", all(d >= 0.2 for d in drops))
         logs = "".join(t.log() for t in honest)
         details["nonfinite_contributions_dropped"] = logs.count("contributions with NaN/inf values")
         details["oversized_contributions_bounded"] = logs.count("Averaging: bounded")
