@@ -10,7 +10,8 @@ What a broken or hostile peer puts on the wire (its own local checks never see i
 - ``LEANHIVE_FAULT_SEND_NONFINITE_GRADS=1``: the gradients this peer sends are NaN (first half) and inf.
 - ``LEANHIVE_FAULT_DIE_IN_ALLREDUCE=3``: SIGKILL the whole peer in the middle of its 3rd gradient all-reduce
   (after the first averaged tensor came back, while the rest is still in flight); ``=/some/file``: in the
-  first gradient all-reduce after that file exists (tests decide when).
+  first gradient all-reduce after that file exists (tests decide when). Several peers may share one file: the
+  first to get there renames it (``.fired``), so exactly one of them dies.
 - ``LEANHIVE_TEST_PARAMS_DIR=/path``: after each global epoch, write the parameters to
   ``/path/epoch_000012.pt`` (tests compare peers epoch by epoch).
 """
@@ -101,11 +102,19 @@ def maybe_die_in_allreduce(averager, tensors_received: int) -> None:
     if not setting or not isinstance(averager, GradientAverager) or tensors_received != 1:
         return
     _allreduce_rounds += 1
-    armed = Path(setting).exists() if setting.startswith("/") else _allreduce_rounds in _numbers(DIE_IN_ALLREDUCE_ENV)
+    armed = _claim(Path(setting)) if setting.startswith("/") else _allreduce_rounds in _numbers(DIE_IN_ALLREDUCE_ENV)
     if armed:
         logger.warning("FAULT INJECTION: SIGKILL in the middle of gradient all-reduce round %d", _allreduce_rounds)
         os.kill(os.getppid(), signal.SIGKILL)  # the trainer; its other helpers follow it (process_guard)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _claim(trigger: Path) -> bool:
+    try:
+        trigger.rename(trigger.with_name(trigger.name + ".fired"))  # atomic: one peer wins
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def maybe_save_parameters(model: torch.nn.Module, global_epoch: int) -> None:

@@ -146,3 +146,13 @@ def test_backup_digest_notices_any_changed_value():
     state["model"]["w"][3, 3] -= 1e-6
     state["groups"][0]["lr"] = 0.2
     assert tensor_digest(state) != digest
+
+
+def test_a_shared_kill_trigger_fires_for_exactly_one_peer(tmp_path):
+    from peer.faults import _claim
+
+    trigger = tmp_path / "kill-now"
+    assert not _claim(trigger)  # not there yet: nobody fires
+    trigger.touch()
+    assert [_claim(trigger) for _ in range(3)] == [True, False, False]
+    assert (tmp_path / "kill-now.fired").exists()
