@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -82,18 +83,28 @@ def table(results: list) -> str:
     return "\n".join(rows)
 
 
+def _interrupt(_signum, _frame):
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated scenario letters, e.g. g,h,i (default: all)")
     parser.add_argument("--json", metavar="PATH", help="also write every result record (with details) here")
     parser.add_argument("--keep", metavar="DIR", help="keep peers' logs and files in this folder")
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the scenarios' cleanup removes their peers and network namespaces
+    signal.signal(signal.SIGTERM, _interrupt)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
     only = {letter.strip() for letter in args.only.split(",") if letter.strip()}
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="leanhive-faults-"))
     started = time.monotonic()
     progress = os.fdopen(os.dup(2), "w")  # the real console, while stderr goes to the scenario's log
-    results = run(only, folder, progress)
+    try:
+        results = run(only, folder, progress)
+    except KeyboardInterrupt:
+        print(f"interrupted; peers stopped, test hosts removed; logs in {folder}", file=progress)
+        return 130
     print(table(results))
     print(f"\nwhole run: {time.monotonic() - started:.0f} s; peers' logs in {folder}")
     if args.json:

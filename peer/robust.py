@@ -51,12 +51,15 @@ def bounded_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], clip_f
     ``clip_factor`` <= 0 gives the plain weighted mean (no bound, non-finite parts still dropped).
     All parts non-finite: the plain mean (NaN), which receivers refuse (they keep their local values).
     """
-    kept = [(part, weight) for part, weight in zip(parts, weights) if bool(torch.isfinite(part).all())]
-    if len(kept) < len(parts):
-        logger.warning("Averaging: dropped %d of %d contributions with NaN/inf values", len(parts) - len(kept),
+    finite = [(part, weight) for part, weight in zip(parts, weights) if bool(torch.isfinite(part).all())]
+    if len(finite) < len(parts):
+        logger.warning("Averaging: dropped %d of %d contributions with NaN/inf values", len(parts) - len(finite),
                        len(parts))
-    if not kept:
+    if not finite:
         return sum(p * w for p, w in zip(parts, weights)) / max(sum(weights), 1e-12)
+    # zero-weight parts (a peer that just loaded the state tags along with weight 0) add nothing to the mean;
+    # left in, they would drag the median towards their stale values and get honest parts clipped
+    kept = [(part, weight) for part, weight in finite if weight > 0] or finite
     stacked = torch.stack([part for part, _ in kept])
     weight = torch.tensor([w for _, w in kept], dtype=stacked.dtype)
     total = float(weight.sum())

@@ -28,6 +28,16 @@ def test_honest_contributions_average_exactly(count):
     assert torch.allclose(bounded_mean(parts, weights, 4.0), _weighted_mean(parts, weights), atol=1e-6)
 
 
+def test_zero_weight_parts_change_nothing():
+    """A peer that tags along with weight 0 (it just loaded the state) must not get honest parts clipped: left in
+    the median, its zeros made the two honest parts look like one honest part and one outlier (42% off)."""
+    torch.manual_seed(1)
+    shared = torch.randn(300) * 0.1
+    honest = [shared + torch.randn(300) * 0.03, shared * 0.2 + torch.randn(300) * 0.01]
+    result = bounded_mean([*honest, torch.zeros(300)], [32.0, 64.0, 0.0], 4.0)
+    assert torch.allclose(result, _weighted_mean(honest, [32.0, 64.0]), atol=1e-6)
+
+
 def test_nonfinite_contributions_are_dropped():
     parts = [torch.randn(100), torch.randn(100), torch.full((100,), float("nan")), torch.full((100,), float("inf"))]
     weights = [1.0, 2.0, 1.0, 1.0]
