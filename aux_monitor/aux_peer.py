@@ -26,15 +26,8 @@ from model import LeanGPTForCausalLM, load_config
 from peer.arguments import CollaborationArguments, OptimizerArguments
 from peer.collaboration import build_optimizer
 from peer.data import DataArguments
-from peer.network import (
-    NetworkArguments,
-    create_dht,
-    initial_peers_line,
-    load_or_create_signing_key,
-    make_validators,
-    signing_key_path,
-)
-from peer.watchdog import DHTWatchdog, start_watchdog
+from peer.network import NetworkArguments, connect
+from peer.watchdog import DHTWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -93,20 +86,16 @@ class AuxPeer:
         checkpoints = CheckpointManager(aux.checkpoint_dir, keep=aux.keep_checkpoints,
                                         model_class=type(model)) if (aux.checkpoint_every or aux.resume) else None
 
-        signing_key = load_or_create_signing_key(signing_key_path(net))
-        validators, _ = make_validators(net.run_id, signing_key)
-        self.dht = create_dht(net, validators)
-        self.watchdog = start_watchdog(self.dht, net)
-        join_line = f"{initial_peers_line(self.dht)} --run_id {net.run_id}"
-        logger.info("To join this collaboration, run peers with:\n%s", join_line)
+        swarm = connect(net)
+        self.dht, self.watchdog = swarm.dht, swarm.watchdog
 
         # the trainers' own factory: same run_id, parameter groups, target batch size and compression
         self.optimizer = build_optimizer(
-            model=model, dht=self.dht, run_id=net.run_id, signing_key=signing_key, batch_size_per_step=None,
+            model=model, dht=self.dht, run_id=net.run_id, signing_key=swarm.signing_key, batch_size_per_step=None,
             collab=self.config.collaboration, optim=self.config.optimizer, client_mode=False, auxiliary=True)
         replica = SwarmReplica(model=model, optimizer=self.optimizer,
                                load_state_timeout=self.config.collaboration.load_state_timeout)
-        holder = StateHolder(MonitorState(run_id=net.run_id, initial_peers=join_line,
+        holder = StateHolder(MonitorState(run_id=net.run_id, initial_peers=swarm.join_line,
                                           swarm=SwarmSnapshot.empty(get_dht_time())))
         if aux.upload_to_hub:
             self.uploader = HubUploader(aux.upload_to_hub)

@@ -18,6 +18,8 @@ from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
+from peer.watchdog import DHTWatchdog, start_watchdog
+
 logger = logging.getLogger(__name__)
 
 
@@ -191,6 +193,29 @@ def create_dht(args: NetworkArguments, record_validators: Sequence[RecordValidat
             dht.shutdown()
             raise NetworkSetupError(str(e)) from None
     return dht
+
+
+@dataclass
+class SwarmConnection:
+    """What joining the swarm's DHT gives a peer (trainer or aux)."""
+
+    dht: hivemind.DHT
+    watchdog: Optional[DHTWatchdog]
+    signing_key: RSAPrivateKey
+    public_key: bytes  # the subkey this peer signs its records with
+    join_line: str  # what other peers paste to join: --initial_peers ... --run_id ...
+
+
+def connect(args: NetworkArguments) -> SwarmConnection:
+    """Signing key, record validators, DHT (NetworkSetupError if no initial peer answers) and its watchdog;
+    logs the line others use to join."""
+    signing_key = load_or_create_signing_key(signing_key_path(args))
+    validators, public_key = make_validators(args.run_id, signing_key)
+    dht = create_dht(args, validators)
+    watchdog = start_watchdog(dht, args)
+    join_line = f"{initial_peers_line(dht)} --run_id {args.run_id}"
+    logger.info("To join this collaboration, run peers with:\n%s", join_line)
+    return SwarmConnection(dht, watchdog, signing_key, public_key, join_line)
 
 
 def initial_peers_line(dht: hivemind.DHT) -> str:

@@ -33,15 +33,8 @@ from peer.data import (DataArguments, SequenceLengthSchedule, build_train_datase
                        make_batches)
 from peer.metrics import LocalMetrics, publish_metrics
 from peer.model_setup import Placement, build_model, choose_placement
-from peer.network import (
-    NetworkArguments,
-    create_dht,
-    initial_peers_line,
-    load_or_create_signing_key,
-    make_validators,
-    signing_key_path,
-)
-from peer.watchdog import DHTWatchdog, resync_with_swarm, start_watchdog
+from peer.network import NetworkArguments, connect
+from peer.watchdog import DHTWatchdog, resync_with_swarm
 
 logger = logging.getLogger(__name__)
 
@@ -105,18 +98,14 @@ class TrainerPeer:
         if train.torch_threads is not None:
             torch.set_num_threads(train.torch_threads)
         self.placement = choose_placement(train)  # fail on bad device/precision before touching the network
-        signing_key = load_or_create_signing_key(signing_key_path(net))
-        validators, self.public_key = make_validators(net.run_id, signing_key)
-        self.dht = create_dht(net, validators)
-        self.watchdog = start_watchdog(self.dht, net)
-        logger.info("To join this collaboration, run peers with:\n%s --run_id %s",
-                    initial_peers_line(self.dht), net.run_id)
+        swarm = connect(net)
+        self.dht, self.watchdog, self.public_key = swarm.dht, swarm.watchdog, swarm.public_key
 
         self.model = build_model(train, self.placement)
         if self.placement.uses_grad_scaler:
             self.grad_scaler = hivemind.GradScaler()
         self.optimizer = build_optimizer(
-            model=self.model, dht=self.dht, run_id=net.run_id, signing_key=signing_key,
+            model=self.model, dht=self.dht, run_id=net.run_id, signing_key=swarm.signing_key,
             batch_size_per_step=self.batch_size_per_step, collab=self.config.collaboration,
             optim=self.config.optimizer, client_mode=net.client_mode,
             # hivemind's GradScaler unscales the accumulated gradients only when they live in .grad
