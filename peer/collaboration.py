@@ -10,7 +10,6 @@ from typing import List, Optional
 
 import hivemind
 import torch
-from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import (
     BlockwiseQuantization,
     CompressionBase,
@@ -96,23 +95,10 @@ def make_compression(args: CollaborationArguments) -> CompressionBase:
 # -------------------------------------------------------------------------------- state download check
 
 
-class _DownloadRecorder(DecentralizedAverager):
-    """Remembers whether the last load_state_from_peers actually received a state (hivemind returns quietly)."""
-
-    downloaded_epoch: Optional[int] = None
-
-    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
-        self.downloaded_epoch = None
-        loaded = super().load_state_from_peers(wait=wait, timeout=timeout)
-        if wait and loaded is not None:
-            metadata = loaded[0]
-            self.downloaded_epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
-        return loaded
-
-
-class CheckedStateAverager(AuthorizedAveragerMixin, RobustAveragingMixin, TrainingStateAverager, _DownloadRecorder):
-    """TrainingStateAverager whose super().load_state_from_peers goes through _DownloadRecorder (see MRO),
-    with an allowlist for its RPCs and bounded contributions (peer.auth, peer.robust)."""
+class CheckedStateAverager(AuthorizedAveragerMixin, RobustAveragingMixin, TrainingStateAverager):
+    """TrainingStateAverager that can tell whether a state download was applied (hivemind returns quietly when
+    nobody answers), serves consistent snapshots, and has an allowlist for its RPCs and bounded contributions
+    (peer.auth, peer.robust)."""
 
     _loading = False
     applied_epoch: Optional[int] = None
@@ -166,7 +152,7 @@ class CheckedStateAverager(AuthorizedAveragerMixin, RobustAveragingMixin, Traini
     def state_arrived(self) -> bool:
         """True if the last download delivered a state and it was applied (hivemind.Optimizer may then
         advance local_epoch by one more to catch up with the swarm; that still counts)."""
-        return self.downloaded_epoch is not None and self.applied_epoch == self.downloaded_epoch
+        return self.applied_epoch is not None
 
 
 class LeanHiveGradientAverager(AuthorizedAveragerMixin, RobustAveragingMixin, faults.GradientFaultsMixin,
