@@ -76,6 +76,7 @@ class Peer(Protocol):
 
 
 STOP_GRACE_SECONDS = 20.0  # after a stop signal, the current step may take this long; shutdown gets the rest of 30 s
+STOP_RETRY_SECONDS = 5.0  # an interrupt that was swallowed is raised again this much later
 
 
 class _SignalHandler:
@@ -94,19 +95,29 @@ class _SignalHandler:
         if self.shutting_down:
             logger.info("Received %s: already shutting down", signal.Signals(signum).name)
             return
-        if self.peer.stop_requested.is_set() or not self.peer.running:
-            raise KeyboardInterrupt  # a second signal, or still joining: stop now
+        if self.peer.stop_requested.is_set() or not self.peer.running:  # a second signal, or still joining
+            # Remembered before raising: a KeyboardInterrupt that lands in an at-fork hook or a __del__ (hivemind
+            # forks while joining) is printed as "Exception ignored" and lost. The run loop then still sees the
+            # request, and the re-armed deadline raises again if the main thread is stuck somewhere else.
+            self.peer.request_stop()
+            self._arm_deadline(signum, STOP_RETRY_SECONDS, "The stop signal has not taken effect yet: raising it again")
+            raise KeyboardInterrupt
         logger.info("Received %s: finishing the current step, then leaving the swarm (a second signal stops "
                     "at once)", signal.Signals(signum).name)
         self.peer.request_stop()
-        self._deadline = threading.Timer(STOP_GRACE_SECONDS, self._step_overran, args=(signum,))
+        self._arm_deadline(signum, STOP_GRACE_SECONDS, f"The current step is still running {STOP_GRACE_SECONDS:.0f} s "
+                                                       "after the stop signal: interrupting it")
+
+    def _arm_deadline(self, signum: int, seconds: float, message: str) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = threading.Timer(seconds, self._overran, args=(signum, message))
         self._deadline.daemon = True
         self._deadline.start()
 
-    def _step_overran(self, signum: int) -> None:
+    def _overran(self, signum: int, message: str) -> None:
         if not self.shutting_down:
-            logger.warning("The current step is still running %.0f s after the stop signal: interrupting it",
-                           STOP_GRACE_SECONDS)
+            logger.warning("%s", message)
             # aimed at the main thread so that a wait it is blocked in is interrupted; runs the stop-now branch
             signal.pthread_kill(threading.main_thread().ident, signum)
 

@@ -95,7 +95,20 @@ def make_compression(args: CollaborationArguments) -> CompressionBase:
 # -------------------------------------------------------------------------------- state download check
 
 
-class CheckedStateAverager(AuthorizedAveragerMixin, RobustAveragingMixin, TrainingStateAverager):
+class QuietWhenHalfBuilt:
+    """hivemind's __del__ methods assume a finished constructor. A stop signal that interrupts one while joining
+    leaves a half-built object whose __del__ raises AttributeError, printed at exit as a scary traceback; there
+    is nothing of it to clean up."""
+
+    def __del__(self):
+        try:
+            super().__del__()
+        except AttributeError:
+            pass
+
+
+class CheckedStateAverager(QuietWhenHalfBuilt, AuthorizedAveragerMixin, RobustAveragingMixin,
+                           TrainingStateAverager):
     """TrainingStateAverager that can tell whether a state download was applied (hivemind returns quietly when
     nobody answers), serves consistent snapshots, and has an allowlist for its RPCs and bounded contributions
     (peer.auth, peer.robust)."""
@@ -155,12 +168,12 @@ class CheckedStateAverager(AuthorizedAveragerMixin, RobustAveragingMixin, Traini
         return self.applied_epoch is not None
 
 
-class LeanHiveGradientAverager(AuthorizedAveragerMixin, RobustAveragingMixin, faults.GradientFaultsMixin,
-                               GradientAverager):
+class LeanHiveGradientAverager(QuietWhenHalfBuilt, AuthorizedAveragerMixin, RobustAveragingMixin,
+                               faults.GradientFaultsMixin, GradientAverager):
     """GradientAverager with an allowlist for its RPCs, bounded contributions and the tests' fault hooks."""
 
 
-class LeanHiveOptimizer(hivemind.Optimizer):
+class LeanHiveOptimizer(QuietWhenHalfBuilt, hivemind.Optimizer):
     """hivemind.Optimizer with a state averager that can tell whether a state download succeeded."""
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:

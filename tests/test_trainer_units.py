@@ -341,3 +341,51 @@ def test_a_stop_signal_interrupts_a_step_that_overruns_the_grace_period(tmp_path
     assert 1.5 < time.monotonic() - started < 10
     log = peer.log()
     assert "interrupting it" in log and "Interrupted: leaving" in log and "backup written" in log
+
+
+_SWALLOWING_PEER = textwrap.dedent("""
+    import logging, sys, threading, time
+    import peer.cli as cli
+
+    class SwallowingPeer:  # the stop-now KeyboardInterrupt lands where Python only prints it, like an at-fork hook
+        def __init__(self, after):
+            self.stop_requested, self.running, self.after = threading.Event(), False, after
+        def start(self):
+            print("joining", flush=True)
+            try:
+                threading.Event().wait()
+            except KeyboardInterrupt:
+                print("interrupt swallowed", flush=True)
+            if self.after == "stuck":  # still joining: only a second interrupt gets it out
+                threading.Event().wait()
+        def run(self):
+            self.running = True
+            print("run entered, stop requested:", self.stop_requested.is_set(), flush=True)
+        def request_stop(self):
+            self.stop_requested.set()
+        def shutdown(self):
+            print("backup written", flush=True)
+
+    logging.basicConfig(level=logging.INFO)
+    cli.STOP_RETRY_SECONDS = 1.0
+    cli.run_peer(SwallowingPeer(sys.argv[1]))
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("after", ["returns", "stuck"])
+def test_a_stop_signal_lost_while_joining_still_stops_the_peer(after, tmp_path):
+    """A lost interrupt is remembered (the run loop sees the request) and raised again until it takes effect."""
+    import signal
+
+    script = tmp_path / "swallowing.py"
+    script.write_text(_SWALLOWING_PEER)
+    peer = PeerProcess([after], script=str(script), name="swallowing", log_path=tmp_path / "swallowing.log").start()
+    peer.wait_for("joining", timeout=30)
+    assert peer.stop(signal.SIGTERM, timeout=20) == 0
+    log = peer.log()
+    assert "interrupt swallowed" in log and "backup written" in log
+    if after == "returns":
+        assert "run entered, stop requested: True" in log
+    else:
+        assert "raising it again" in log and "Interrupted: leaving" in log and "run entered" not in log
