@@ -95,16 +95,16 @@ class _SignalHandler:
         if self.shutting_down:
             logger.info("Received %s: already shutting down", signal.Signals(signum).name)
             return
-        if self.peer.stop_requested.is_set() or not self.peer.running:  # a second signal, or still joining
-            # Remembered before raising: a KeyboardInterrupt that lands in an at-fork hook or a __del__ (hivemind
-            # forks while joining) is printed as "Exception ignored" and lost. The run loop then still sees the
-            # request, and the re-armed deadline raises again if the main thread is stuck somewhere else.
-            self.peer.request_stop()
+        stop_now = self.peer.stop_requested.is_set() or not self.peer.running  # a second signal, or still joining
+        self.peer.request_stop()
+        if stop_now:
+            # The request above is made before raising: a KeyboardInterrupt that lands in an at-fork hook or a
+            # __del__ (hivemind forks while joining) is printed as "Exception ignored" and lost. The run loop then
+            # still sees the request, and the re-armed deadline raises again if the main thread is stuck elsewhere.
             self._arm_deadline(signum, STOP_RETRY_SECONDS, "The stop signal has not taken effect yet: raising it again")
             raise KeyboardInterrupt
         logger.info("Received %s: finishing the current step, then leaving the swarm (a second signal stops "
                     "at once)", signal.Signals(signum).name)
-        self.peer.request_stop()
         self._arm_deadline(signum, STOP_GRACE_SECONDS, f"The current step is still running {STOP_GRACE_SECONDS:.0f} s "
                                                        "after the stop signal: interrupting it")
 

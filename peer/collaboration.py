@@ -97,8 +97,8 @@ def make_compression(args: CollaborationArguments) -> CompressionBase:
 
 class QuietWhenHalfBuilt:
     """hivemind's __del__ methods assume a finished constructor. A stop signal that interrupts one while joining
-    leaves a half-built object whose __del__ raises AttributeError, printed at exit as a scary traceback; there
-    is nothing of it to clean up."""
+    leaves a half-built object whose __del__ raises AttributeError on a field never set, printed at exit as a
+    scary traceback. hivemind's cleanup still runs as far as the object was built; only that error is dropped."""
 
     def __del__(self):
         try:

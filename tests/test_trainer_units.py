@@ -305,7 +305,7 @@ def test_children_die_with_a_sigkilled_parent(tmp_path):
 
 
 _STUCK_PEER = textwrap.dedent("""
-    import logging, os, signal, sys, threading, time
+    import logging, sys, threading
     import peer.cli as cli
 
     class StuckPeer:  # its step never ends by itself, like an all-reduce waiting out a long averaging_timeout
@@ -344,7 +344,7 @@ def test_a_stop_signal_interrupts_a_step_that_overruns_the_grace_period(tmp_path
 
 
 _SWALLOWING_PEER = textwrap.dedent("""
-    import logging, sys, threading, time
+    import logging, sys, threading
     import peer.cli as cli
 
     class SwallowingPeer:  # the stop-now KeyboardInterrupt lands where Python only prints it, like an at-fork hook
