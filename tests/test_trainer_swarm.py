@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from helpers.peers import kill_all, wait_all
-from helpers.trainer_swarm import epoch_losses, final_epoch, final_params, max_param_difference, start_trainer
+from helpers.trainer_swarm import (epoch_losses, final_epoch, final_params, max_param_difference, start_trainer,
+                                   wait_for_epoch)
 from peer.faults import NAN_GRAD_STEPS_ENV, NAN_PARAM_EPOCHS_ENV
 
 pytestmark = pytest.mark.slow
@@ -88,7 +89,7 @@ def test_three_peers_with_a_late_joiner(tmp_path, swarm):
     initial_peers = first.initial_peers(STARTUP)
     second = start_trainer(tmp_path, "b", "trio", initial_peers=initial_peers, extra=["--max_epochs", epochs, *EXACT])
     swarm.append(second)
-    second.wait_for(r"Global epoch 2 done", timeout=240)
+    wait_for_epoch(second, 2, timeout=240)
     initial_peers += second.initial_peers()
     late = start_trainer(tmp_path, "c", "trio", initial_peers=initial_peers, extra=["--max_epochs", epochs, *EXACT])
     swarm.append(late)
@@ -181,7 +182,7 @@ def test_lone_peer_recovers_from_backup_stops_on_sigterm_and_resumes(tmp_path, s
                          extra=["--backup_every_epochs", "2"])
     swarm.append(peer)
     peer.wait_for(r"Recovered from the local backup \(global epoch 2\)", timeout=STARTUP)
-    peer.wait_for(r"Global epoch 4 done", timeout=60)
+    wait_for_epoch(peer, 4, timeout=60)
     _check_published_metrics(peer.initial_peers(), "term")
     assert peer.stop(signal.SIGTERM, timeout=30) == 0
     log = peer.log()

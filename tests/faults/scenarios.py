@@ -522,7 +522,7 @@ def authorization(folder: Path) -> ScenarioResult:
     from hivemind.utils import get_dht_time
 
     from helpers.peers import share_tensors_by_file_descriptor
-    from helpers.trainer_swarm import start_trainer
+    from helpers.trainer_swarm import start_trainer, wait_for_epoch
     from peer.auth import identity_line
     from peer.metrics import LocalMetrics, fetch_metrics, metrics_key, publish_metrics
     from peer.network import (NetworkArguments, create_dht, load_or_create_signing_key, make_validators,
@@ -563,7 +563,7 @@ def authorization(folder: Path) -> ScenarioResult:
                                 identity_path=str(identity["u"]), ensure_bootstrap_success=False)
         dhts.append(stranger)
 
-        owner.wait_for(r"Global epoch 1 done", timeout=120)
+        wait_for_epoch(owner, 1, timeout=120)
         metrics = LocalMetrics(epoch=1, samples_per_second=1.0, samples_accumulated=16, loss=8.0, mini_steps=1,
                                samples_total=16, time=float(get_dht_time()))
         publish_metrics(stranger, run_id, public_u, metrics).result(timeout=30)

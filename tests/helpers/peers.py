@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import psutil
 
@@ -75,13 +75,15 @@ class PeerProcess:
     def poll(self) -> Optional[int]:
         return self.process.poll()
 
-    def wait_for(self, pattern: str, timeout: float, *, count: int = 1) -> re.Match:
-        """Wait until the log matches ``pattern`` (``count`` times); return the last match."""
+    def wait_for(self, pattern: str, timeout: float, *, count: int = 1,
+                 where: Optional[Callable[[re.Match], bool]] = None) -> re.Match:
+        """Wait until the log matches ``pattern`` (``count`` times, counting only matches that pass ``where``);
+        return the last match."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
         while True:
             self.snapshot_tree()
-            matches = list(regex.finditer(self.log()))
+            matches = [m for m in regex.finditer(self.log()) if where is None or where(m)]
             if len(matches) >= count:
                 return matches[count - 1]
             if self.poll() is not None:

@@ -32,6 +32,16 @@ def start_trainer(folder: Path, name: str, run_id: str, *, initial_peers: Sequen
     return PeerProcess([*args, *extra], name=name, log_path=folder / f"{name}.log", env=env).start()
 
 
+def wait_for_epoch(peer: PeerProcess, epoch: int, timeout: float) -> int:
+    """Wait until the peer has finished global epoch ``epoch`` or a later one; return the epoch it finished.
+
+    "or a later one": a peer in a swarm may skip an epoch (it catches up by downloading the state), so waiting
+    for one exact epoch could wait for a line that never comes.
+    """
+    match = peer.wait_for(EPOCH_DONE_RE.pattern, timeout, where=lambda m: int(m.group(1)) >= epoch)
+    return int(match.group(1))
+
+
 def epoch_losses(log: str) -> Dict[int, float]:
     """Mean loss of every global epoch the peer finished, from its per-epoch summary lines."""
     return {int(m.group(1)): float(m.group(2)) for m in EPOCH_DONE_RE.finditer(log)}
