@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import hivemind
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import (
     BlockwiseQuantization,
     CompressionBase,
@@ -22,7 +23,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer import faults
+from peer import backup, faults
 from peer.arguments import CollaborationArguments, OptimizerArguments
 from peer.auth import AuthorizedAveragerMixin, authorized_peer_ids
 from peer.lamb import CPULamb8Bit
@@ -107,11 +108,28 @@ class QuietWhenHalfBuilt:
             pass
 
 
+def _finite_floats(tensors) -> bool:
+    return backup.all_finite(t for t in tensors if t.is_floating_point())  # 8-bit codes are always finite
+
+
+class FiniteDownloadsOnly(DecentralizedAverager):
+    """A downloaded state with NaN/inf values is not applied: a faulty peer must not spread them to a joiner.
+    Sits below TrainingStateAverager in the MRO, so a refused download looks to it like a peer that did not
+    answer."""
+
+    def load_state_from_peers(self, **kwargs):
+        loaded = super().load_state_from_peers(**kwargs)
+        if isinstance(loaded, tuple) and not _finite_floats(loaded[1]):  # wait=False returns a future: unchecked
+            logger.warning("A peer sent a state with NaN/inf values: not applying it")
+            return None
+        return loaded
+
+
 class CheckedStateAverager(QuietWhenHalfBuilt, AuthorizedAveragerMixin, RobustAveragingMixin,
-                           TrainingStateAverager):
+                           TrainingStateAverager, FiniteDownloadsOnly):
     """TrainingStateAverager that can tell whether a state download was applied (hivemind returns quietly when
-    nobody answers), serves consistent snapshots, and has an allowlist for its RPCs and bounded contributions
-    (peer.auth, peer.robust)."""
+    nobody answers), serves consistent and finite snapshots, and has an allowlist for its RPCs and bounded
+    contributions (peer.auth, peer.robust)."""
 
     _loading = False
     applied_epoch: Optional[int] = None
@@ -133,6 +151,10 @@ class CheckedStateAverager(QuietWhenHalfBuilt, AuthorizedAveragerMixin, RobustAv
             tensors = [tensor.clone() for tensor in tensors]
             if self._params_epoch is not None:
                 metadata["epoch"] = min(self._params_epoch, self.local_epoch)  # min: a restore may go back
+        if not _finite_floats(tensors):
+            # a peer whose parameters just went bad is recovering; hivemind turns this error into a failed
+            # download for the asking peer, which then asks another peer
+            raise ValueError("not sharing this peer's state: it has NaN/inf values (the peer is recovering)")
         return metadata, tensors, infos
 
     def step(self, *args, increment_epoch: bool = False, optimizer_step: bool = False, **kwargs):
@@ -292,14 +314,23 @@ def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str,
         logger.info("No other peers reported progress: starting a new collaboration at epoch %d",
                     optimizer.local_epoch)
         return False
-    for attempt in range(1, collab.load_state_attempts + 1):
-        if optimizer.load_state_checked():
-            logger.info("Loaded the swarm's state: now at global epoch %d", optimizer.local_epoch)
-            return True
-        logger.warning("No peer sent its state (attempt %d of %d)", attempt, collab.load_state_attempts)
-        time.sleep(min(2.0 * attempt, 5.0))
+    if download_state(optimizer, collab.load_state_attempts, pause=2.0):
+        logger.info("Loaded the swarm's state: now at global epoch %d", optimizer.local_epoch)
+        return True
     logger.warning("Could not download the swarm's state; training on from the local state at epoch %d "
                    "(hivemind retries when it notices this peer is behind)", optimizer.local_epoch)
+    return False
+
+
+def download_state(optimizer: LeanHiveOptimizer, attempts: int, pause: float) -> bool:
+    """Download and apply the swarm's state, retrying: nobody may answer yet, or the peers that answer may be a
+    moment behind (still applying the epoch this peer just finished; hivemind refuses such a state)."""
+    for attempt in range(1, attempts + 1):
+        if optimizer.load_state_checked():
+            return True
+        logger.warning("No peer sent a usable state (attempt %d of %d)", attempt, attempts)
+        if attempt < attempts:
+            time.sleep(min(pause * attempt, 5.0))
     return False
 
 

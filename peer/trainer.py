@@ -25,6 +25,7 @@ from peer.collaboration import (
     LeanHiveOptimizer,
     build_optimizer,
     count_other_state_sharing_peers,
+    download_state,
     final_barrier,
     join_swarm,
     wait_for_swarm,
@@ -251,7 +252,8 @@ class TrainerPeer:
         # peers online are ahead of any local backup, so they are asked first
         if self.optimizer.tracker.global_progress.num_peers > 1 or count_other_state_sharing_peers(
                 self.dht, self.config.network.run_id):
-            if self.optimizer.load_state_checked() and backup.all_finite(self.model.parameters()):
+            attempts = self.config.collaboration.load_state_attempts
+            if download_state(self.optimizer, attempts, pause=1.0) and backup.all_finite(self.model.parameters()):
                 logger.info("Recovered by loading the swarm's state (global epoch %d)", self.optimizer.local_epoch)
                 return False
         if backup.load_backup(self.config.training.output_dir, self.model, self.optimizer):
