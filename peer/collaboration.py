@@ -314,7 +314,7 @@ def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str,
         logger.info("No other peers reported progress: starting a new collaboration at epoch %d",
                     optimizer.local_epoch)
         return False
-    if download_state(optimizer, collab.load_state_attempts, pause=2.0):
+    if download_state(optimizer, collab.load_state_attempts):
         logger.info("Loaded the swarm's state: now at global epoch %d", optimizer.local_epoch)
         return True
     logger.warning("Could not download the swarm's state; training on from the local state at epoch %d "
@@ -322,7 +322,7 @@ def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str,
     return False
 
 
-def download_state(optimizer: LeanHiveOptimizer, attempts: int, pause: float) -> bool:
+def download_state(optimizer: LeanHiveOptimizer, attempts: int, pause: float = 2.0) -> bool:
     """Download and apply the swarm's state, retrying: nobody may answer yet, or the peers that answer may be a
     moment behind (still applying the epoch this peer just finished; hivemind refuses such a state)."""
     for attempt in range(1, attempts + 1):

@@ -252,8 +252,9 @@ class TrainerPeer:
         # peers online are ahead of any local backup, so they are asked first
         if self.optimizer.tracker.global_progress.num_peers > 1 or count_other_state_sharing_peers(
                 self.dht, self.config.network.run_id):
+            # the others may be a moment behind, still applying the epoch this peer just finished
             attempts = self.config.collaboration.load_state_attempts
-            if download_state(self.optimizer, attempts, pause=1.0) and backup.all_finite(self.model.parameters()):
+            if download_state(self.optimizer, attempts) and backup.all_finite(self.model.parameters()):
                 logger.info("Recovered by loading the swarm's state (global epoch %d)", self.optimizer.local_epoch)
                 return False
         if backup.load_backup(self.config.training.output_dir, self.model, self.optimizer):

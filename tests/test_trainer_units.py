@@ -52,7 +52,8 @@ def test_preset_then_command_line_override(tmp_path):
     preset.write_text("count: 7\nratio: 0.25\nnames: [x, y]\nflag: true\nlimit: 5\n")
     parser = DataclassArgumentParser([_Example])
     (example,) = parser.parse_into_dataclasses(["--config", str(preset), "--ratio", "0.75", "--limit", "none"])
-    assert (example.count, example.ratio, example.names, example.flag, example.limit) == (7, 0.75, ["x", "y"], True, None)
+    assert (example.count, example.ratio, example.names, example.flag, example.limit) == \
+        (7, 0.75, ["x", "y"], True, None)
     (example,) = parser.parse_into_dataclasses(["--flag", "--names", "p", "q", "--mode", "b"])
     assert example.flag is True and example.names == ["p", "q"] and example.mode == "b" and example.count == 3
     (example,) = parser.parse_into_dataclasses(["--flag", "false"])
