@@ -192,22 +192,28 @@ def test_adaptive_compression_round_trips(numel, codec, bound):
 # -------------------------------------------------------------------------------------------- backups
 
 
-@pytest.fixture
-def solo_optimizer(tmp_path):
-    """A real model + hivemind optimizer on a one-peer DHT."""
-    share_tensors_by_file_descriptor()
+def _peer_on(run_id: str, initial_peers=()):
+    """A DHT and a real model + hivemind optimizer, for in-process tests with one peer or several."""
     import hivemind
 
     from peer.collaboration import build_optimizer
     from peer.network import make_validators
 
     key = hivemind.utils.crypto.RSAPrivateKey()
-    validators, _ = make_validators("units", key)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers),
+                       record_validators=make_validators(run_id, key)[0])
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    opt = build_optimizer(model=model, dht=dht, run_id="units", signing_key=key, batch_size_per_step=4,
+    opt = build_optimizer(model=model, dht=dht, run_id=run_id, signing_key=key, batch_size_per_step=4,
                           collab=CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
                           optim=OptimizerArguments(), client_mode=False)
+    return dht, model, opt
+
+
+@pytest.fixture
+def solo_optimizer(tmp_path):
+    """A real model + hivemind optimizer on a one-peer DHT."""
+    share_tensors_by_file_descriptor()
+    dht, model, opt = _peer_on("units")
     try:
         yield model, opt
     finally:
@@ -272,24 +278,6 @@ def test_served_state_is_a_consistent_snapshot_labelled_with_its_true_epoch(solo
     assert averager.get_current_state()[0]["epoch"] == opt.local_epoch == 2
 
 
-def _peer_on(run_id: str, initial_peers=()):
-    """A DHT and a real model + hivemind optimizer for in-process multi-peer tests; all parameters start at 1."""
-    import hivemind
-
-    from peer.collaboration import build_optimizer
-    from peer.network import make_validators
-
-    key = hivemind.utils.crypto.RSAPrivateKey()
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers),
-                       record_validators=make_validators(run_id, key)[0])
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    torch.nn.init.constant_(model[0].weight, 1.0)
-    opt = build_optimizer(model=model, dht=dht, run_id=run_id, signing_key=key, batch_size_per_step=4,
-                          collab=CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
-                          optim=OptimizerArguments(), client_mode=False)
-    return dht, model, opt
-
-
 def _served_weight(opt) -> torch.Tensor:
     return opt.state_averager.optimizer.param_groups[0]["params"][0]  # the offloaded copy that peers download
 
@@ -305,6 +293,7 @@ def test_states_with_nan_values_are_neither_served_nor_applied(monkeypatch):
     dht_a, _, opt_a = _peer_on("nan-state")
     dht_b, model_b, opt_b = _peer_on("nan-state", dht_a.get_visible_maddrs())
     with torch.no_grad():
+        _served_weight(opt_a).fill_(1.0)
         model_b[0].weight.fill_(2.0)
         _served_weight(opt_b).fill_(2.0)
     peers = [(dht_a, opt_a), (dht_b, opt_b)]
