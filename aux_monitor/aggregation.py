@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, Mapping, Optional, Tuple
 
-from peer.metrics import LocalMetrics
+from peer.swarm.records import LocalMetrics
 
 
 def peer_label(subkey: bytes) -> str:
@@ -144,7 +144,8 @@ class MetricsAggregator:
         for name, track in self._peers.items():
             r = track.latest
             alive = now - r.time <= self.alive_window
-            peers.append(PeerStats(peer=name, epoch=r.epoch, samples_total=track.samples_before_restarts + r.samples_total,
+            peers.append(PeerStats(peer=name, epoch=r.epoch,
+                                   samples_total=track.samples_before_restarts + r.samples_total,
                                    samples_per_second=r.samples_per_second if alive else 0.0,
                                    loss=r.loss / r.mini_steps if r.mini_steps else None,
                                    last_seen=r.time, alive=alive))

@@ -1,10 +1,11 @@
 """The aux peer's own settings (network, collaboration and optimizer settings are the trainers' dataclasses)."""
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Optional
+
+from peer.swarm.validate import integer_at_least, positive, require
 
 _HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -45,29 +46,14 @@ class AuxArguments:
     """Hugging Face Hub model repo (user/name) to upload each new checkpoint to; needs HF_TOKEN or a login."""
 
     def __post_init__(self):
-        def check(ok: bool, message: str):
-            if not ok:
-                raise ValueError(message)
-
-        def positive_number(name: str):
-            value = getattr(self, name)
-            check(isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
-                  f"{name} must be a positive number of seconds, got {value!r}")
-
-        check(bool(self.model_config), "model_config must name a preset (e.g. tiny) or a JSON file")
-        positive_number("refresh_period")
-        positive_number("alive_window")
-        positive_number("assist_refresh")
-        check(isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
-              f"metrics_port must be a TCP port (0-65535; 0 picks a free one), got {self.metrics_port!r}")
-        check(bool(self.checkpoint_dir), "checkpoint_dir must be a folder path")
-        for name in ("checkpoint_every", "eval_every"):
-            value = getattr(self, name)
-            check(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0 (0 disables it), got {value!r}")
-        for name in ("keep_checkpoints", "eval_batch_size", "eval_max_batches"):
-            value = getattr(self, name)
-            check(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+        require(bool(self.model_config), "model_config must name a preset (e.g. tiny) or a JSON file")
+        positive(self, "refresh_period", "alive_window", "assist_refresh", unit="number of seconds")
+        require(isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
+                f"metrics_port must be a TCP port (0-65535; 0 picks a free one), got {self.metrics_port!r}")
+        require(bool(self.checkpoint_dir), "checkpoint_dir must be a folder path")
+        integer_at_least(self, 0, "checkpoint_every", "eval_every", note="(0 disables it)")
+        integer_at_least(self, 1, "keep_checkpoints", "eval_batch_size", "eval_max_batches")
         if self.upload_to_hub is not None:
-            check(bool(_HUB_REPO.match(self.upload_to_hub)),
-                  f"upload_to_hub must be a Hub repo id like my-org/leanhive-gpt, got {self.upload_to_hub!r}")
-            check(self.checkpoint_every > 0, "upload_to_hub uploads checkpoints: set --checkpoint_every > 0")
+            require(bool(_HUB_REPO.match(self.upload_to_hub)),
+                    f"upload_to_hub must be a Hub repo id like my-org/leanhive-gpt, got {self.upload_to_hub!r}")
+            require(self.checkpoint_every > 0, "upload_to_hub uploads checkpoints: set --checkpoint_every > 0")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import hivemind
@@ -23,11 +23,13 @@ from aux_monitor.replica import SwarmReplica
 from aux_monitor.server import MonitorApp, MonitorServer
 from aux_monitor.state import MonitorState, StateHolder
 from model import LeanGPTForCausalLM, load_config
-from peer.arguments import CollaborationArguments, OptimizerArguments
-from peer.collaboration import build_optimizer
-from peer.data import DataArguments
-from peer.network import NetworkArguments, connect
-from peer.watchdog import DHTWatchdog
+from peer.swarm import events
+from peer.swarm.config import CollaborationArguments, OptimizerArguments
+from peer.swarm.data import DataArguments, build_validation_dataset, check_tokenizer_fits, load_tokenizer
+from peer.swarm.events import EventArguments
+from peer.swarm.network import NetworkArguments, connect
+from peer.swarm.optimizer import build_optimizer
+from peer.swarm.watchdog import DHTWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class AuxConfig:
     optimizer: OptimizerArguments
     data: DataArguments
     aux: AuxArguments
+    events: EventArguments = field(default_factory=EventArguments)
 
 
 def build_swarm_model(model_config: str) -> LeanGPTForCausalLM:
@@ -54,8 +57,6 @@ def build_swarm_model(model_config: str) -> LeanGPTForCausalLM:
 
 def build_validation_set(data: DataArguments, vocab_size: int) -> list:
     """Only called when evaluation is on: the tokenizer and dataset are never loaded otherwise."""
-    from peer.data import build_validation_dataset, check_tokenizer_fits, load_tokenizer
-
     tokenizer = load_tokenizer(data)
     check_tokenizer_fits(tokenizer, vocab_size)
     blocks = build_validation_dataset(data, tokenizer)
@@ -108,6 +109,7 @@ class AuxPeer:
                                     host=aux.metrics_host, port=aux.metrics_port).start()
         logger.info("Serving the dashboard on http://%s:%d/ and Prometheus metrics on http://%s:%d/metrics",
                     aux.metrics_host, self.server.port, aux.metrics_host, self.server.port)
+        events.emit("serving", port=self.server.port, epoch=self.monitor.replica.held_epoch)
         self.running = True
 
     def request_stop(self) -> None:

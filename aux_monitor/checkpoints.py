@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from aux_monitor.state import CheckpointInfo
+from peer.swarm import events
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class CheckpointManager:
             raise
         self._verified[final.name] = True
         logger.info("Saved checkpoint of epoch %d to %s", state.epoch, final)
+        events.emit("checkpoint_saved", epoch=state.epoch, path=str(final))
         self.rotate()
         return CheckpointInfo(epoch=state.epoch, time=state.time, path=str(final), loss=state.loss)
 

@@ -20,7 +20,8 @@ from aux_monitor.evaluation import evaluate
 from aux_monitor.hub import HubUploader
 from aux_monitor.replica import SwarmReplica
 from aux_monitor.state import StateHolder
-from peer.metrics import fetch_metrics
+from peer.swarm import events
+from peer.swarm.records import fetch_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class AuxMonitor:
         self.last_checkpoint_epoch = loaded.state.epoch
         self.holder.update(checkpoint=loaded.info())
         logger.info("Resumed from %s (epoch %d)", loaded.path, loaded.state.epoch)
+        events.emit("state_loaded", epoch=loaded.state.epoch, source="checkpoint", reason="resume",
+                    path=str(loaded.path))
         return True
 
     # ------------------------------------------------------------------ one refresh
@@ -97,6 +100,7 @@ class AuxMonitor:
                                    epoch)
                     return
                 logger.info("Downloaded the swarm's state of epoch %d", held)
+                events.emit("state_loaded", epoch=held, source="swarm", reason="refresh", path=None)
             if want_checkpoint and is_due(held, self.last_checkpoint_epoch, self.args.checkpoint_every):
                 self._checkpoint(loss=snapshot.loss)
             if want_eval and is_due(held, self.last_eval_epoch, self.args.eval_every):
@@ -118,6 +122,7 @@ class AuxMonitor:
         self._serving_checkpoint = True
         logger.info("No trainer online: offering the checkpoint of epoch %d (%s) to joining trainers",
                     loaded.state.epoch, loaded.path)
+        events.emit("offering_checkpoint", epoch=loaded.state.epoch)
 
     def _checkpoint(self, loss: Optional[float]) -> None:
         state = self.replica.capture(loss=loss, taken_at=time.time())

@@ -1,6 +1,6 @@
 """The aux peer's copy of the swarm's training state, held in an auxiliary hivemind.Optimizer.
 
-The optimizer is built by the trainers' own factory (``peer.collaboration.build_optimizer``), so the
+The optimizer is built by the trainers' own factory (``peer.swarm.optimizer.build_optimizer``), so the
 run_id, parameter groups and shapes, target_batch_size and compression are the trainers' by
 construction. The replica never trains: it downloads the newest state from the trainers, hands it to
 the checkpoint writer, restores a checkpoint on ``--resume``, and offers the state it holds to
@@ -17,6 +17,7 @@ import hivemind
 import torch
 
 from aux_monitor.checkpoints import TrainingState
+from peer.swarm.hivemind_seam import sync_offloaded_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class SwarmReplica:
         """Load the newest state a trainer offers; returns its epoch, or None if no state arrived.
 
         Trainers serve one consistent snapshot labelled with the epoch its parameters are really at
-        (peer.collaboration.CheckedStateAverager), so a state that arrived and was applied can be used as is,
+        (peer.swarm.hivemind_seam.LeanHiveStateAverager), so a state that arrived and was applied can be used as is,
         however fast the swarm changes epoch.
         """
         with self._lock:
@@ -53,8 +54,6 @@ class SwarmReplica:
 
     def restore(self, state: TrainingState) -> None:
         """Put a checkpoint's state into the optimizer (parameters, statistics, schedule, epoch)."""
-        from peer.backup import sync_offloaded_parameters
-
         with self._lock, torch.no_grad():
             self.model.load_state_dict(state.model.state_dict())
             averager = self.optimizer.state_averager

@@ -1,8 +1,10 @@
-"""The fault matrix of issue 6 as a table: every scenario in tests/faults/scenarios.py, real peers.
+"""The fault matrix of issue 6 as a table: every scenario in tests/support/faults/scenarios.py, real peers.
 
-    sudo python benchmarks/faults.py                 # the whole matrix (needs root for emulated links)
-    python benchmarks/faults.py --only g,h,i         # the fast subset (loopback, no root)
-    python benchmarks/faults.py --json results.json  # also write the records
+Run from the repository root (``tests.support`` is imported as a package from there):
+
+    sudo .venv/bin/python -m benchmarks.faults                 # the whole matrix (needs root for emulated links)
+    .venv/bin/python -m benchmarks.faults --only g,h,i         # the fast subset (loopback, no root)
+    .venv/bin/python -m benchmarks.faults --json results.json  # also write the records
 
 Prints a markdown table: scenario, survived, epochs lost, time to recover, data lost, wall time.
 Scenarios on emulated links are listed as skipped where network namespaces are unavailable.
@@ -20,11 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]  # tests.faults and the tests' helpers package
-
-from tests.faults.scenarios import MATRIX, ScenarioResult  # noqa: E402
-from tests.netem.hosts import netns_unavailable_reason  # noqa: E402
+from tests.support.faults.scenarios import MATRIX, ScenarioResult
+from tests.support.netem.hosts import netns_unavailable_reason
 
 
 @contextlib.contextmanager
@@ -88,7 +87,8 @@ def _interrupt(_signum, _frame):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.faults", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated scenario letters, e.g. g,h,i (default: all)")
     parser.add_argument("--json", metavar="PATH", help="also write every result record (with details) here")
     parser.add_argument("--keep", metavar="DIR", help="keep peers' logs and files in this folder")

@@ -22,9 +22,25 @@ from pathlib import Path
 import torch
 
 from benchmarks import memlib
-from benchmarks.report import Row, add_ratios, breakdown_text, depth_table, evaluate_targets, main_table, write_chart, write_json
-from benchmarks.variants import SIZES, BenchSize, Variant, autocast_variants, base_variants, lean_builder, \
-    unavailable_reason
+from benchmarks.report import (
+    Row,
+    add_ratios,
+    breakdown_text,
+    depth_table,
+    evaluate_targets,
+    main_table,
+    write_chart,
+    write_json,
+)
+from benchmarks.variants import (
+    SIZES,
+    BenchSize,
+    Variant,
+    autocast_variants,
+    base_variants,
+    lean_builder,
+    unavailable_reason,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +80,14 @@ class MemoryBenchConfig:
             if getattr(self, name) < minimum:
                 raise ValueError(f"--{name} must be >= {minimum}, got {getattr(self, name)}")
         if self.layers is not None and self.layers < 2:
-            raise ValueError(f"--layers must be >= 2 (per-layer figures compare full and half depth), got {self.layers}")
+            raise ValueError(f"--layers must be >= 2 (per-layer figures compare full and half depth), "
+                             f"got {self.layers}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be 'cpu' or 'cuda', got {self.device!r}")
         shallow, deep = self.depth_layers
         if not 1 <= shallow < deep:
-            raise ValueError(f"--depth-layers needs two depths SHALLOW,DEEP with 1 <= SHALLOW < DEEP, got {self.depth_layers}")
+            raise ValueError(f"--depth-layers needs two depths SHALLOW,DEEP with 1 <= SHALLOW < DEEP, "
+                             f"got {self.depth_layers}")
         if self.variants is not None:
             known = {variant.name for variant in base_variants() + autocast_variants()}
             unknown = sorted(set(self.variants) - known)
@@ -112,7 +130,7 @@ def measure_variant(variant: Variant, size: BenchSize, device: torch.device, *, 
 
     times = memlib.timed_steps(step, device, warmup=warmup, steps=steps)
     cuda_peak = memlib.cuda_peak_bytes(step, device) if device.type == "cuda" else None
-    del model
+    model = None  # freed before the next variant is built
     release(device)
     half = build(variant, size, size.half_layers, device)
     saved_half = memlib.forward_saved_bytes(half, input_ids, variant.autocast_dtype)
@@ -148,7 +166,7 @@ def measure_depth_check(depths: tuple[int, int], device: torch.device) -> list[R
                         activation_peak_bytes=memory.activation_peak_bytes,
                         live_peak_bytes=memory.live_peak_bytes, step_seconds=memlib.median(times),
                         step_seconds_all=times))
-        del model
+        model = None  # freed before the next depth is built
         release(device)
     shallow, deep = rows
     growth = (deep.saved_bytes_total - shallow.saved_bytes_total) / (deep.layers - shallow.layers) / size.tokens
@@ -178,7 +196,8 @@ def selected_variants(config: MemoryBenchConfig, device: torch.device) -> list[V
 
 def header_lines(config: MemoryBenchConfig, device: torch.device) -> list[str]:
     size = config.bench_size
-    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                else platform.processor() or platform.machine())
     return [
         f"command: {shlex.join([Path(sys.executable).name, '-m', 'benchmarks.memory', *sys.argv[1:]])}",
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {device} ({hardware})",

@@ -42,7 +42,8 @@ class BenchSize:
             raise ValueError(f"hidden_size ({self.hidden_size}) must split into {self.num_heads} heads of even size "
                              "(rotary embeddings); e.g. hidden_size=64 * num_heads")
         if self.layers < 2:
-            raise ValueError(f"layers must be at least 2 (per-layer figures compare full and half depth), got {self.layers}")
+            raise ValueError(f"layers must be at least 2 (per-layer figures compare full and half depth), "
+                             f"got {self.layers}")
 
     @property
     def half_layers(self) -> int:

@@ -11,7 +11,7 @@ and ``register_shared_module``, which lets several layers hold one module while 
 import logging
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn

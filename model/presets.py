@@ -8,9 +8,10 @@ from typing import List, Union
 
 from transformers import PretrainedConfig
 
+from configs import MODEL_PRESETS_DIR
 from model.config import LeanTransformerConfig
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
+PRESETS_DIR = MODEL_PRESETS_DIR
 
 
 def available_presets() -> List[str]:

@@ -7,14 +7,16 @@ the previous one is used instead.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from peer.swarm import events
+from peer.swarm.hivemind_seam import sync_offloaded_parameters
+from peer.swarm.tensors import all_finite, atomic_torch_save, tensor_digest
 
 logger = logging.getLogger(__name__)
 
@@ -23,55 +25,8 @@ PREVIOUS_BACKUP_NAME = "backup.prev.pt"  # the backup before the newest one, use
 FINAL_PARAMS_NAME = "final_params.pt"
 
 
-def all_finite(tensors) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
 def _schema(model: torch.nn.Module) -> list:
     return [(name, list(param.shape)) for name, param in model.state_dict().items()]
-
-
-def tensor_digest(obj) -> str:
-    """SHA-256 over a nested structure of tensors and plain values, in a fixed order."""
-    digest = hashlib.sha256()
-    _feed(digest, obj)
-    return digest.hexdigest()
-
-
-def _feed(digest, obj) -> None:
-    if isinstance(obj, torch.Tensor):
-        tensor = obj.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"T{tensor.dtype}{tuple(obj.shape)}".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())
-    elif isinstance(obj, dict):
-        digest.update(b"{")
-        for key in sorted(obj, key=repr):
-            _feed(digest, key)
-            _feed(digest, obj[key])
-        digest.update(b"}")
-    elif isinstance(obj, (list, tuple)):
-        digest.update(b"[")
-        for item in obj:
-            _feed(digest, item)
-        digest.update(b"]")
-    else:
-        digest.update(repr(obj).encode())
-
-
-def atomic_torch_save(obj, path: Path) -> None:
-    """Write to a temp file in the same folder, check it loads back, then rename over the target."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        torch.load(tmp, map_location="cpu", weights_only=True)  # a file that does not load must not win
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[Path]:
@@ -94,12 +49,13 @@ def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[
             os.replace(path, path.with_name(PREVIOUS_BACKUP_NAME))
         atomic_torch_save(payload, path)
         logger.info("Wrote a local backup at global epoch %d to %s", optimizer.local_epoch, path)
+        events.emit("backup_written", epoch=optimizer.local_epoch, path=str(path))
         return path
 
 
-def load_backup(output_dir: str, model: torch.nn.Module, optimizer) -> bool:
-    """Restore the newest usable backup (the newest, else the previous one) that matches this model; False
-    (with a log line per unusable file) if there is none."""
+def load_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[Path]:
+    """Restore the newest usable backup (the newest, else the previous one) that matches this model; returns its
+    path, or None (with a log line per unusable file) if there is none."""
     for path in (Path(output_dir) / BACKUP_NAME, Path(output_dir) / PREVIOUS_BACKUP_NAME):
         payload = _read_backup(path, model) if path.exists() else None
         if payload is None:
@@ -109,8 +65,8 @@ def load_backup(output_dir: str, model: torch.nn.Module, optimizer) -> bool:
             optimizer.load_state_dict(payload["optimizer"])
             sync_offloaded_parameters(optimizer)
         logger.info("Restored the local backup from %s (global epoch %d)", path, optimizer.local_epoch)
-        return True
-    return False
+        return path
+    return None
 
 
 def _read_backup(path: Path, model: torch.nn.Module) -> Optional[dict]:
@@ -136,19 +92,6 @@ def _read_backup(path: Path, model: torch.nn.Module) -> Optional[dict]:
         logger.error("Ignoring the backup %s: it contains NaN/inf parameters", path)
         return None
     return payload
-
-
-@torch.no_grad()
-def sync_offloaded_parameters(optimizer) -> None:
-    """After changing the model's parameters in place, copy them into hivemind's offloaded copies."""
-    averager = optimizer.state_averager
-    offloaded = [param for group in averager.optimizer.param_groups for param in group["params"]]
-    for main, copy in zip(averager.main_parameters, offloaded):
-        if main is not copy:
-            copy.copy_(main.detach().to(copy.device, copy.dtype))
-    if not averager.reuse_tensors:
-        averager._load_local_tensors_into_averager_()  # what hivemind itself does after loading a state
-    averager._update_scheduler()
 
 
 def save_final_params(output_dir: str, model: torch.nn.Module, epoch: int) -> Path:

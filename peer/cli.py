@@ -1,27 +1,19 @@
 """``leanhive-trainer`` / ``python run_trainer.py``: parse, build, run, shut down in ``finally``."""
 from __future__ import annotations
 
-import logging
-import os
-import signal
 import sys
-import threading
-import warnings
-from pathlib import Path
-from typing import Optional, Protocol, Sequence, Tuple, Type
+from typing import Optional, Sequence, Type
 
-from peer import process_guard
-from peer.arguments import CollaborationArguments, OptimizerArguments, TrainingArguments
-from peer.cli_args import DataclassArgumentParser
-from peer.data import DataArguments, check_tokenizer_fits, load_tokenizer
-from peer.model_setup import choose_placement, load_model_config
-from peer.network import NetworkArguments, NetworkSetupError
+from model import load_config
+from peer.model_setup import choose_placement
+from peer.swarm import process_guard
+from peer.swarm.cli_args import DataclassArgumentParser
+from peer.swarm.config import RUN_PRESETS_DIR, CollaborationArguments, OptimizerArguments, TrainingArguments
+from peer.swarm.data import DataArguments, check_tokenizer_fits, load_tokenizer
+from peer.swarm.events import EventArguments
+from peer.swarm.lifecycle import configure_logging, run_peer
+from peer.swarm.network import NetworkArguments
 from peer.trainer import TrainerConfig, TrainerPeer
-
-logger = logging.getLogger(__name__)
-
-RUN_PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "run"
-LOG_LEVEL_ENV = "LEANHIVE_LOG_LEVEL"
 
 DESCRIPTION = """Train a LeanHive model together with other peers.
 
@@ -34,139 +26,30 @@ Values come from the dataclass defaults, then the --config preset, then the flag
 
 def build_parser() -> DataclassArgumentParser:
     return DataclassArgumentParser(
-        [NetworkArguments, CollaborationArguments, OptimizerArguments, TrainingArguments, DataArguments],
-        preset_dirs=[RUN_PRESET_DIR], prog="leanhive-trainer", description=DESCRIPTION)
+        [NetworkArguments, CollaborationArguments, OptimizerArguments, TrainingArguments, DataArguments,
+         EventArguments], preset_dirs=[RUN_PRESETS_DIR], prog="leanhive-trainer", description=DESCRIPTION)
 
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> TrainerConfig:
     """Parse and validate everything that can be checked before joining; bad values exit with status 2."""
     parser = build_parser()
-    network, collaboration, optimizer, training, data = parser.parse_into_dataclasses(argv)
+    network, collaboration, optimizer, training, data, events = parser.parse_into_dataclasses(argv)
     try:
-        model_config = load_model_config(training.model_config)
+        model_config = load_config(training.model_config)
         choose_placement(training)
         check_tokenizer_fits(load_tokenizer(data), model_config.vocab_size)
     except (OSError, ValueError) as e:
         parser.error(str(e))
     return TrainerConfig(network=network, collaboration=collaboration, optimizer=optimizer,
-                         training=training, data=data)
+                         training=training, data=data, events=events)
 
 
-def configure_logging() -> None:
-    """Once per process: our format and level (LEANHIVE_LOG_LEVEL, default INFO) for us and hivemind."""
-    from hivemind.utils.logging import use_hivemind_log_handler
-
-    level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s [%(name)s] %(message)s", force=True)
-    use_hivemind_log_handler("in_root_logger")
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    # hivemind replays the LR schedule on joining, before any optimizer step: expected, not a mistake
-    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-
-
-class Peer(Protocol):
-    """What run_peer needs of a trainer or aux peer."""
-    stop_requested: threading.Event
-    running: bool  # False until start() has finished joining
-
-    def start(self) -> None: ...
-    def run(self) -> None: ...
-    def request_stop(self) -> None: ...
-    def shutdown(self) -> None: ...
-
-
-STOP_GRACE_SECONDS = 20.0  # after a stop signal, the current step may take this long; shutdown gets the rest of 30 s
-STOP_RETRY_SECONDS = 5.0  # an interrupt that was swallowed is raised again this much later
-
-
-class _SignalHandler:
-    """First SIGINT/SIGTERM: finish the current step, then leave. A second one, a signal while still joining, or
-    a step still running STOP_GRACE_SECONDS later (e.g. an all-reduce waiting out averaging_timeout) stop at once
-    (KeyboardInterrupt in the main thread); shutdown still writes the backup."""
-
-    def __init__(self, peer: Peer):
-        self.peer = peer
-        self.shutting_down = False
-        self._deadline: Optional[threading.Timer] = None
-        signal.signal(signal.SIGINT, self)
-        signal.signal(signal.SIGTERM, self)
-
-    def __call__(self, signum, _frame):
-        if self.shutting_down:
-            logger.info("Received %s: already shutting down", signal.Signals(signum).name)
-            return
-        stop_now = self.peer.stop_requested.is_set() or not self.peer.running  # a second signal, or still joining
-        self.peer.request_stop()
-        if stop_now:
-            # The request above is made before raising: a KeyboardInterrupt that lands in an at-fork hook or a
-            # __del__ (hivemind forks while joining) is printed as "Exception ignored" and lost. The run loop then
-            # still sees the request, and the re-armed deadline raises again if the main thread is stuck elsewhere.
-            self._arm_deadline(signum, STOP_RETRY_SECONDS, "The stop signal has not taken effect yet: raising it again")
-            raise KeyboardInterrupt
-        logger.info("Received %s: finishing the current step, then leaving the swarm (a second signal stops "
-                    "at once)", signal.Signals(signum).name)
-        self._arm_deadline(signum, STOP_GRACE_SECONDS, f"The current step is still running {STOP_GRACE_SECONDS:.0f} s "
-                                                       "after the stop signal: interrupting it")
-
-    def _arm_deadline(self, signum: int, seconds: float, message: str) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._deadline = threading.Timer(seconds, self._overran, args=(signum, message))
-        self._deadline.daemon = True
-        self._deadline.start()
-
-    def _overran(self, signum: int, message: str) -> None:
-        if not self.shutting_down:
-            logger.warning("%s", message)
-            # aimed at the main thread so that a wait it is blocked in is interrupted; runs the stop-now branch
-            signal.pthread_kill(threading.main_thread().ident, signum)
-
-    def begin_shutdown(self) -> None:
-        self.shutting_down = True
-        if self._deadline is not None:
-            self._deadline.cancel()
-
-
-def run_peer(peer: Peer, *, setup_errors: Tuple[Type[BaseException], ...] = (NetworkSetupError,)) -> int:
-    """Start, run until done or signalled, always shut down, then end the process (exit 1 on a setup error)."""
-    signals = _SignalHandler(peer)
-    code = 0
-    try:
-        peer.start()
-        peer.run()
-    except setup_errors as e:
-        logger.error("%s", e)
-        code = 1
-    except KeyboardInterrupt:
-        logger.warning("Interrupted: leaving without finishing the current step")
-    finally:
-        signals.begin_shutdown()
-        peer.shutdown()
-    return exit_despite_stray_threads(code)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, *, peer_class: Type[TrainerPeer] = TrainerPeer) -> int:
+    """Run a trainer peer; ``peer_class`` lets a test entry point run a subclass (run_trainer.py never does)."""
     config = parse_config(argv)
     configure_logging()
     process_guard.install()  # before any hivemind process exists
-    return run_peer(TrainerPeer(config))
-
-
-def exit_despite_stray_threads(code: int) -> int:
-    """End the process with ``code`` once our own shutdown has run (backup written, DHT and averagers stopped).
-
-    A signal that interrupts hivemind.Optimizer's constructor while joining leaves parts it already started
-    (its ProgressTracker thread, an averager process) without an owner, and the interpreter's exit would wait
-    for them forever (multiprocessing joins its children at exit). So the CLI exits explicitly; hivemind's
-    child processes die with us (process_guard).
-    """
-    stray = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
-    if stray:
-        logger.debug("Exiting with threads still running: %s", ", ".join(stray))
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return run_peer(peer_class(config), events_file=config.events.events_file)
 
 
 if __name__ == "__main__":

@@ -8,16 +8,11 @@ from typing import Optional
 
 import torch
 
-from model import LeanGPTForCausalLM, LeanTransformerConfig, load_config
+from model import LeanGPTForCausalLM, load_config
 from model import apply_memory_options as model_memory_options
-from peer.arguments import TrainingArguments
+from peer.swarm.config import TrainingArguments
 
 logger = logging.getLogger(__name__)
-
-
-def load_model_config(name_or_path: str) -> LeanTransformerConfig:
-    """A preset name (configs/model/<name>.json) or a JSON path; ValueError says what is available."""
-    return load_config(name_or_path)
 
 
 @dataclass
@@ -64,7 +59,7 @@ def apply_memory_options(model: torch.nn.Module, args: TrainingArguments) -> Non
 
 
 def build_model(args: TrainingArguments, placement: Placement) -> LeanGPTForCausalLM:
-    config = load_model_config(args.model_config)
+    config = load_config(args.model_config)
     # every peer draws the same initial parameters, so a swarm that starts together agrees from step 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.init_seed)

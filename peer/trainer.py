@@ -19,23 +19,33 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from peer import backup, faults
-from peer.arguments import CollaborationArguments, OptimizerArguments, TrainingArguments
-from peer.collaboration import (
-    LeanHiveOptimizer,
-    build_optimizer,
+from peer import backup
+from peer.model_setup import Placement, build_model, choose_placement
+from peer.swarm import events
+from peer.swarm.config import CollaborationArguments, OptimizerArguments, TrainingArguments
+from peer.swarm.data import (
+    DataArguments,
+    SequenceLengthSchedule,
+    build_train_dataset,
+    check_tokenizer_fits,
+    load_tokenizer,
+    make_batches,
+)
+from peer.swarm.events import EventArguments
+from peer.swarm.hivemind_seam import LeanHiveGradientAverager, LeanHiveOptimizer
+from peer.swarm.joining import (
     count_other_state_sharing_peers,
     download_state,
     final_barrier,
     join_swarm,
+    resync_with_swarm,
     wait_for_swarm,
 )
-from peer.data import (DataArguments, SequenceLengthSchedule, build_train_dataset, check_tokenizer_fits, load_tokenizer,
-                       make_batches)
-from peer.metrics import LocalMetrics, publish_metrics
-from peer.model_setup import Placement, build_model, choose_placement
-from peer.network import NetworkArguments, connect
-from peer.watchdog import DHTWatchdog, resync_with_swarm
+from peer.swarm.network import NetworkArguments, connect
+from peer.swarm.optimizer import build_optimizer
+from peer.swarm.records import LocalMetrics, publish_metrics
+from peer.swarm.tensors import all_finite
+from peer.swarm.watchdog import DHTWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,7 @@ class TrainerConfig:
     optimizer: OptimizerArguments
     training: TrainingArguments
     data: DataArguments
+    events: EventArguments = field(default_factory=EventArguments)
 
 
 @dataclass
@@ -76,6 +87,9 @@ def _peer_seed(dht: hivemind.DHT) -> int:
 
 
 class TrainerPeer:
+    # the averager class of the gradients (a test entry point runs a subclass that injects faults)
+    grad_averager_class = LeanHiveGradientAverager
+
     def __init__(self, config: TrainerConfig):
         self.config = config
         self.stop_requested = threading.Event()
@@ -110,7 +124,7 @@ class TrainerPeer:
             batch_size_per_step=self.batch_size_per_step, collab=self.config.collaboration,
             optim=self.config.optimizer, client_mode=net.client_mode,
             # hivemind's GradScaler unscales the accumulated gradients only when they live in .grad
-            reuse_grad_buffers=self.grad_scaler is not None)
+            reuse_grad_buffers=self.grad_scaler is not None, grad_averager_class=self.grad_averager_class)
         self._build_data()
         self._join()
 
@@ -132,10 +146,15 @@ class TrainerPeer:
     def _join(self) -> None:
         train, collab = self.config.training, self.config.collaboration
         restored = backup.load_backup(train.output_dir, self.model, self.optimizer)
+        if restored:
+            events.emit("state_loaded", epoch=self.optimizer.local_epoch, source="backup", reason="join",
+                        path=str(restored))
         wait_for_swarm(self.optimizer, self.dht, self.config.network.run_id, collab)
-        join_swarm(self.optimizer, self.dht, self.config.network.run_id, collab)
+        from_swarm = join_swarm(self.optimizer, self.dht, self.config.network.run_id, collab)
         if not restored and self.optimizer.local_epoch == 0:
             logger.info("Starting from freshly initialized parameters")
+        state = "swarm" if from_swarm else "backup" if restored else "local"
+        events.emit("joined", epoch=self.optimizer.local_epoch, state=state)
 
     # -------------------------------------------------------------------------------------- run
 
@@ -150,6 +169,7 @@ class TrainerPeer:
         while not self.stop_requested.is_set():
             if max_epochs is not None and self.optimizer.local_epoch >= max_epochs:
                 logger.info("Reached max_epochs=%d: stopping", max_epochs)
+                events.emit("max_epochs_reached", epoch=self.optimizer.local_epoch)
                 self._finish_pending_updates()
                 final_barrier(self.optimizer, self.dht, self.config.network.run_id, max_epochs,
                               self.config.collaboration, stop=self.stop_requested)
@@ -167,19 +187,8 @@ class TrainerPeer:
         """One local step: accumulate micro-batches, then hand the gradients to hivemind."""
         train = self.config.training
         self.local_step += 1
-        loss_sum = 0.0
-        for _ in range(train.gradient_accumulation_steps):
-            input_ids = next(self._batches)["input_ids"].to(self.placement.device)
-            with self.placement.autocast():
-                loss = self.model(input_ids=input_ids, labels=input_ids).loss
-            loss_sum += float(loss.detach())
-            if not math.isfinite(loss_sum) and self.grad_scaler is None:
-                break  # no point in a backward pass: the step is skipped anyway
-            scaled = loss / train.gradient_accumulation_steps
-            (self.grad_scaler.scale(scaled) if self.grad_scaler is not None else scaled).backward()
-        faults.maybe_corrupt_gradients(self.model, self.local_step)
-        finite = math.isfinite(loss_sum) and backup.all_finite(
-            p.grad for p in self.model.parameters() if p.grad is not None)
+        loss_sum = self._accumulate_gradients()
+        finite = math.isfinite(loss_sum) and all_finite(p.grad for p in self.model.parameters() if p.grad is not None)
 
         if self.grad_scaler is not None:
             # fp16: the gradients accumulate in .grad; on overflow hivemind's GradScaler drops them and
@@ -205,6 +214,21 @@ class TrainerPeer:
         if self.local_step % train.log_every_steps == 0:
             self._log_progress(loss_sum / train.gradient_accumulation_steps, stats)
 
+    def _accumulate_gradients(self) -> float:
+        """Forward and backward over this local step's micro-batches; returns the summed loss."""
+        train = self.config.training
+        loss_sum = 0.0
+        for _ in range(train.gradient_accumulation_steps):
+            input_ids = next(self._batches)["input_ids"].to(self.placement.device)
+            with self.placement.autocast():
+                loss = self.model(input_ids=input_ids, labels=input_ids).loss
+            loss_sum += float(loss.detach())
+            if not math.isfinite(loss_sum) and self.grad_scaler is None:
+                break  # no point in a backward pass: the step is skipped anyway
+            scaled = loss / train.gradient_accumulation_steps
+            (self.grad_scaler.scale(scaled) if self.grad_scaler is not None else scaled).backward()
+        return loss_sum
+
     def _count_skipped(self, stats: EpochStats) -> None:
         stats.skipped_steps += 1
         self.skipped_steps_total += 1
@@ -225,9 +249,13 @@ class TrainerPeer:
                     "%d steps, %d skipped -> now at epoch %d (lr %.3g)", stats.epoch, stats.mean_loss(),
                     stats.mini_steps, stats.samples, stats.samples_per_second(), stats.steps,
                     stats.skipped_steps, new_epoch, self.optimizer.opt.param_groups[0]["lr"])
+        events.emit("epoch_done", epoch=stats.epoch, loss=stats.mean_loss(), mini_steps=stats.mini_steps,
+                    samples=stats.samples, steps=stats.steps, skipped=stats.skipped_steps, now_at=new_epoch)
         self._publish(stats)
-        faults.maybe_save_parameters(self.model, new_epoch)
-        faults.maybe_corrupt_parameters(self.model, new_epoch)
+        self._after_update(new_epoch)
+
+    def _after_update(self, new_epoch: int) -> None:
+        """After an epoch's update: NaN/inf parameters are recovered, else the periodic backup is written."""
         if not self._parameters_ok():
             return
         every = self.config.training.backup_every_epochs
@@ -246,7 +274,7 @@ class TrainerPeer:
 
     def _parameters_ok(self) -> bool:
         """After an update: NaN/inf parameters are replaced from the swarm or the local backup (False then)."""
-        if backup.all_finite(self.model.parameters()):
+        if all_finite(self.model.parameters()):
             return True
         logger.error("Parameters became NaN/inf after the update at epoch %d; recovering", self.optimizer.local_epoch)
         # peers online are ahead of any local backup, so they are asked first
@@ -254,11 +282,16 @@ class TrainerPeer:
                 self.dht, self.config.network.run_id):
             # the others may be a moment behind, still applying the epoch this peer just finished
             attempts = self.config.collaboration.load_state_attempts
-            if download_state(self.optimizer, attempts) and backup.all_finite(self.model.parameters()):
+            if download_state(self.optimizer, attempts) and all_finite(self.model.parameters()):
                 logger.info("Recovered by loading the swarm's state (global epoch %d)", self.optimizer.local_epoch)
+                events.emit("state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="recovery",
+                            path=None)
                 return False
-        if backup.load_backup(self.config.training.output_dir, self.model, self.optimizer):
+        restored = backup.load_backup(self.config.training.output_dir, self.model, self.optimizer)
+        if restored:
             logger.info("Recovered from the local backup (global epoch %d)", self.optimizer.local_epoch)
+            events.emit("state_loaded", epoch=self.optimizer.local_epoch, source="backup", reason="recovery",
+                        path=str(restored))
             return False
         raise RuntimeError("parameters are NaN/inf and neither the swarm's state nor a local backup could "
                            "replace them; restart the peer with peers online or a healthy --output_dir backup")
@@ -279,7 +312,7 @@ class TrainerPeer:
             try:
                 if self.config.training.backup_every_epochs:
                     backup.save_backup(output_dir, self.model, self.optimizer)
-                if backup.all_finite(self.model.parameters()):
+                if all_finite(self.model.parameters()):
                     backup.save_final_params(output_dir, self.model, self.optimizer.local_epoch)
             except Exception:
                 logger.exception("Could not write the backup or final parameters")

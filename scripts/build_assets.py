@@ -214,7 +214,8 @@ def write_readme(path: Path, package_root: Path, train: list[Document], validati
         "",
         "## Splits",
         "",
-        f"Whole pages are held out for validation (picked by SHA-256 of the page name, ~{VALIDATION_FRACTION:.0%} of the text).",
+        f"Whole pages are held out for validation (picked by SHA-256 of the page name, "
+        f"~{VALIDATION_FRACTION:.0%} of the text).",
         "",
         "| file | documents | bytes |",
         "|---|---|---|",

@@ -30,7 +30,8 @@ logger = logging.getLogger("leanhive.demo")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=180.0, help="seconds to train before stopping (default: 180)")
     parser.add_argument("--trainers", type=int, default=2, help="number of trainer peers (default: 2)")
     parser.add_argument("--run_id", default="leanhive_demo", help="collaboration name (default: leanhive_demo)")

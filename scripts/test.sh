@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
 bash scripts/setup_env.sh --test
+.venv/bin/ruff check .  # lint first: a style error fails in seconds, not after the suite
 exec .venv/bin/python -m pytest "$@"

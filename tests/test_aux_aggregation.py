@@ -4,7 +4,7 @@ import math
 import pytest
 
 from aux_monitor.aggregation import MetricsAggregator, peer_label, summarize_epoch
-from peer.metrics import LocalMetrics
+from peer.swarm.records import LocalMetrics
 
 A, B, C = b"[owner:key-a]", b"[owner:key-b]", b"[owner:key-c]"
 

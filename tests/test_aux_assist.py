@@ -4,8 +4,8 @@ offers its newest verified checkpoint, so a new trainer continues from it.
 """
 import pytest
 
-from helpers.trainer_swarm import start_trainer
-from test_aux_support import RUN_ID, api_state, free_port, peer_report, start_aux, swarm_processes, wait_for
+from tests.support.aux import RUN_ID, api_state, free_port, peer_report, start_aux, swarm_processes, wait_for
+from tests.support.trainers import start_trainer
 
 
 @pytest.mark.slow
@@ -19,7 +19,7 @@ def test_assisting_aux_joins_averaging_and_restores_an_emptied_swarm(tmp_path):
         addrs = aux.initial_peers(timeout=120)
         trainers = [start_trainer(tmp_path, f"trainer{i}", RUN_ID, initial_peers=addrs) for i in (1, 2)]
         procs += trainers
-        aux.wait_for("Serving the dashboard", timeout=120)
+        aux.events.wait("serving", timeout=120)
 
         # the aux peer takes part in the trainers' gradient all-reduce (in a group with one or both of them:
         # hivemind's matchmaking decides who meets whom)
@@ -33,7 +33,7 @@ def test_assisting_aux_joins_averaging_and_restores_an_emptied_swarm(tmp_path):
 
         for trainer in trainers:
             trainer.kill()
-        served = int(aux.wait_for(r"No trainer online: offering the checkpoint of epoch (\d+)", timeout=60).group(1))
+        served = int(aux.events.wait("offering_checkpoint", timeout=60)["epoch"])
         newcomer = start_trainer(tmp_path, "trainer3", RUN_ID, initial_peers=addrs)
         procs.append(newcomer)
         _, epoch, loss = wait_for(lambda: peer_report(url, old_peers), timeout=120,

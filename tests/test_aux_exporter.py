@@ -5,7 +5,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from aux_monitor.aggregation import MetricsAggregator, SwarmSnapshot, peer_label
 from aux_monitor.exporter import make_registry, render_metrics
 from aux_monitor.state import CheckpointInfo, EvalResult, MonitorState
-from peer.metrics import LocalMetrics
+from peer.swarm.records import LocalMetrics
 
 
 def parse(text: str) -> dict:
@@ -57,7 +57,8 @@ def test_unknown_values_are_left_out_rather_than_faked():
     samples = parse(render_metrics(make_registry(lambda: state)).decode())
     names = {name for name, _ in samples}
     assert samples[("leanhive_alive_peers", ())] == 0
-    assert not names & {"leanhive_loss", "leanhive_global_epoch", "leanhive_last_checkpoint_epoch", "leanhive_eval_loss"}
+    assert not names & {"leanhive_loss", "leanhive_global_epoch", "leanhive_last_checkpoint_epoch",
+                        "leanhive_eval_loss"}
 
 
 def test_peers_that_leave_are_no_longer_exported():

@@ -14,9 +14,9 @@ from aux_monitor.hub import HubUploader
 from aux_monitor.monitor import is_due
 from aux_monitor.state import CheckpointInfo
 from model import LeanGPTForCausalLM, LeanTransformerConfig
-from peer.data import DataArguments, build_validation_dataset, load_tokenizer
-from helpers.trainer_swarm import tiny_model_config
-from test_aux_support import REPO_ROOT
+from peer.swarm.data import DataArguments, build_validation_dataset, load_tokenizer
+from tests.support.processes import REPO_ROOT
+from tests.support.trainers import tiny_model_config
 
 
 @pytest.mark.parametrize("kwargs, message", [

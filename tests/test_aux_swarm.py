@@ -10,7 +10,6 @@
 """
 import json
 import math
-import re
 import time
 from pathlib import Path
 
@@ -19,8 +18,7 @@ import torch
 
 from aux_monitor.checkpoints import MANIFEST
 from model import LeanGPTForCausalLM
-from helpers.trainer_swarm import start_trainer
-from test_aux_support import (
+from tests.support.aux import (
     ARTIFACTS,
     RUN_ID,
     DashboardDom,
@@ -36,6 +34,8 @@ from test_aux_support import (
     swarm_processes,
     wait_for,
 )
+from tests.support.trainers import start_trainer
+
 
 def check_dashboard_matches_metrics(url, tmp_path):
     """The numbers the page shows (after its scripts ran) are the ones /metrics serves for the same refresh."""
@@ -94,7 +94,7 @@ def test_aux_peer_with_trainers(tmp_path):
         trainers = [start_trainer(tmp_path, f"trainer{i}", RUN_ID, initial_peers=addrs) for i in (1, 2)]
         procs += trainers
         prometheus.wait_ready()
-        aux.wait_for("Serving the dashboard", timeout=120)
+        aux.events.wait("serving", timeout=120)
         started = time.time()
 
         wait_for(lambda: scrape(url + "/metrics").get(("leanhive_global_epoch", ()), -1) >= 9, timeout=240,
@@ -147,7 +147,8 @@ def test_aux_peer_with_trainers(tmp_path):
                                       what="the new trainer's first metrics")
         assert epoch >= checkpointed > 0, "the new trainer started from scratch instead of the checkpoint"
         assert abs(loss - last_loss) < abs(loss - first_loss), (
-            f"new trainer's loss {loss:.3f} is not near where training stopped ({last_loss:.3f}; start {first_loss:.3f})")
+            f"new trainer's loss {loss:.3f} is not near where training stopped "
+            f"({last_loss:.3f}; start {first_loss:.3f})")
 
         # an aux checkpoint taken from the new trainer equals that trainer's own parameters at that epoch
         backups = {}
@@ -179,8 +180,9 @@ def test_aux_peer_with_trainers(tmp_path):
 
         aux2 = start_aux("aux_resumed", tmp_path, port, "--resume")
         procs.append(aux2)
-        aux2.wait_for(re.escape(f"Resumed from {previous}"), timeout=120)
-        aux2.wait_for("Serving the dashboard", timeout=60)
+        aux2.events.wait("state_loaded", timeout=120, where=lambda e: e["source"] == "checkpoint"
+                         and e["reason"] == "resume" and Path(e["path"]) == previous)
+        aux2.events.wait("serving", timeout=60)
         log = aux2.log()
         assert f"Checkpoint {newest} is corrupt" in log
         assert checkpoint_dirs(tmp_path) == before, "a checkpoint was deleted"

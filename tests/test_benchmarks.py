@@ -121,7 +121,8 @@ def test_cli_smoke_tiny(tmp_path):
             assert isinstance(row["saved_bytes_per_layer_per_token"], (int, float))
             assert row["activation_peak_bytes"] > 0 and row["step_seconds"] > 0
     measured = {row["variant"]: row for row in rows if row["skipped"] is None}
-    assert {"hf_gpt2_eager", "hf_gpt2_sdpa", "hf_gpt2_eager_ckpt", "hf_gpt2_sdpa_ckpt", "lean_default"} <= measured.keys()
+    assert {"hf_gpt2_eager", "hf_gpt2_sdpa", "hf_gpt2_eager_ckpt", "hf_gpt2_sdpa_ckpt",
+            "lean_default"} <= measured.keys()
     assert measured["hf_gpt2_eager"]["saved_ratio"] == 1.0
     assert measured["lean_default"]["memory_reference"] == "hf_gpt2_eager"
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

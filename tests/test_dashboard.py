@@ -6,8 +6,8 @@ import pytest
 from aux_monitor.aggregation import MetricsAggregator, SwarmSnapshot, peer_label
 from aux_monitor.server import MonitorApp, MonitorServer, render_dashboard
 from aux_monitor.state import CheckpointInfo, MonitorState, StateHolder
-from peer.metrics import LocalMetrics
-from test_aux_support import ARTIFACTS, DashboardDom, dump_dom, http_get, scrape, screenshot
+from peer.swarm.records import LocalMetrics
+from tests.support.aux import ARTIFACTS, DashboardDom, dump_dom, http_get, scrape, screenshot
 
 JOIN = "--initial_peers /ip4/127.0.0.1/tcp/4242/p2p/12D3KooWTestTestTest"
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from peer import data
-from peer.data import DataArguments, SequenceLengthSchedule, make_batches
+from peer.swarm import data
+from peer.swarm.data import DataArguments, SequenceLengthSchedule, make_batches
 
 
 @pytest.fixture(scope="module")

@@ -99,11 +99,13 @@ def test_peer_address_helper_matches_the_dht_peer_id(tmp_path):
     """Compose trainers find the aux peer from its identity file; the ID must be the one p2pd uses."""
     code = (
         "import sys, hivemind\n"
-        f"dht = hivemind.DHT(start=True, host_maddrs=['/ip4/127.0.0.1/tcp/0'], identity_path={str(tmp_path / 'id.key')!r})\n"
+        "dht = hivemind.DHT(start=True, host_maddrs=['/ip4/127.0.0.1/tcp/0'], "
+        f"identity_path={str(tmp_path / 'id.key')!r})\n"
         "print(dht.peer_id.to_base58()); dht.shutdown()\n"
     )
     peer_id = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              check=True).stdout.split()[-1]
-    address = subprocess.run([sys.executable, str(DOCKER / "peer_address.py"), "aux", "31337", str(tmp_path / "id.key")],
+    address = subprocess.run([sys.executable, str(DOCKER / "peer_address.py"), "aux", "31337",
+                              str(tmp_path / "id.key")],
                              capture_output=True, text=True, timeout=60, check=True).stdout.strip()
     assert address == f"/dns4/aux/tcp/31337/p2p/{peer_id}"

@@ -1,13 +1,13 @@
 """The fast subset of the fault matrix (issue 6): bad DHT records (g), authorization (h), damaged checkpoint and
 backup files (i). Real hivemind peers on 127.0.0.1; no root needed; about 1-2 minutes in all.
 
-The scenarios live in tests/faults/scenarios.py; ``benchmarks/faults.py`` prints them as a table.
+The scenarios live in tests/support/faults/scenarios.py; ``python -m benchmarks.faults`` prints them as a table.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.faults import scenarios
+from tests.support.faults import scenarios
 
 
 def _explain(result) -> str:

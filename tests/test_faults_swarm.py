@@ -1,10 +1,10 @@
 """The slow part of the fault matrix (issue 6): trainers and aux peers over emulated internet links
-(20 Mbit/s, 100 ms RTT; tests/netem), each scenario with its bound.
+(20 Mbit/s, 100 ms RTT; tests/support/netem), each scenario with its bound.
 
 Opt-in: ``LEANHIVE_FULL_FAULTS=1 python -m pytest tests/test_faults_swarm.py`` (about 15 minutes on a 2-core
 machine; needs root and iproute2 for network namespaces). The default run skips them; the fast subset
 (tests/test_faults_fast.py, tests/test_faults_watchdog.py, tests/test_faults_units.py) always runs.
-``benchmarks/faults.py`` runs the same scenarios and prints the results table.
+``python -m benchmarks.faults`` runs the same scenarios and prints the results table.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from tests.faults import scenarios
-from tests.netem.hosts import netns_skip_marker
+from tests.support.faults import scenarios
+from tests.support.netem.hosts import netns_skip_marker
 
 FULL_FAULTS_ENV = "LEANHIVE_FULL_FAULTS"
 

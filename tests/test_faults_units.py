@@ -1,5 +1,6 @@
-"""Unit tests of the robustness parts: bounded averaging (peer.robust), the allowlist and its authorizer
-(peer.auth), the record size limit (peer.records), backup checksums (peer.backup). No network; seconds."""
+"""Unit tests of the robustness parts: bounded averaging (peer.swarm.robust), the allowlist and its authorizer
+(peer.swarm.auth), the record size limit (peer.swarm.hivemind_seam), backup checksums (peer.swarm.tensors).
+No network; seconds."""
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +10,11 @@ import torch
 from hivemind.proto import dht_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.auth import Allowlist, AllowlistAuthorizer, AuthorizationError, allowlist_line
-from peer.backup import tensor_digest
-from peer.network import NetworkArguments
-from peer.records import RecordSizeValidator
-from peer.robust import BoundedPartReducer, _keep_local_where_not_finite, bounded_mean
+from peer.swarm.auth import Allowlist, AuthorizationError, allowlist_line
+from peer.swarm.hivemind_seam import AllowlistAuthorizer, BoundedPartReducer, RecordSizeValidator
+from peer.swarm.network import NetworkArguments
+from peer.swarm.robust import bounded_mean, keep_local_where_not_finite
+from peer.swarm.tensors import tensor_digest
 
 
 def _weighted_mean(parts, weights):
@@ -74,7 +75,7 @@ def test_reducer_returns_the_bounded_mean_to_every_sender():
 
 def test_nonfinite_averaged_values_are_refused_on_receipt():
     update = torch.tensor([0.5, float("nan"), float("inf"), -1.0])
-    assert _keep_local_where_not_finite(update) == 2
+    assert keep_local_where_not_finite(update) == 2
     assert update.tolist() == [0.5, 0.0, 0.0, -1.0]
 
 
@@ -159,7 +160,7 @@ def test_backup_digest_notices_any_changed_value():
 
 
 def test_a_shared_kill_trigger_fires_for_exactly_one_peer(tmp_path):
-    from peer.faults import _claim
+    from tests.support.faults.injection import _claim
 
     trigger = tmp_path / "kill-now"
     assert not _claim(trigger)  # not there yet: nobody fires

@@ -1,4 +1,4 @@
-"""peer.watchdog.DHTWatchdog: real hivemind DHT peers in network namespaces re-join after a partition on their
+"""peer.swarm.watchdog.DHTWatchdog: real hivemind DHT peers in network namespaces re-join after a partition on their
 own (without it they stay apart for good: see tests/test_netem_harness.py, which re-joins by hand).
 
 Needs root and iproute2; skipped otherwise. Part of the fast subset (about 30 s).
@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from tests.netem.dht_agent import DHTAgent, close_agents
-from tests.netem.hosts import Testbed, netns_skip_marker
+from tests.support.netem.dht_agent import DHTAgent, close_agents
+from tests.support.netem.hosts import Testbed, netns_skip_marker
 
 pytestmark = [pytest.mark.timeout(120), netns_skip_marker()]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model import LeanAlbertForPreTraining, LeanGPTForCausalLM, apply_memory_options
-from test_model_support import VOCAB, assert_same_loss_and_grads, randomize, small_config, with_plain_reference
+from tests.support.model import VOCAB, assert_same_loss_and_grads, randomize, small_config, with_plain_reference
 
 DROPOUT = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2)
 
@@ -60,7 +60,8 @@ def _gpt(config, memory):
 
 # checkpointing does not apply to a reversible stack (combining them raises, see test_model_heads.py)
 COMBINATIONS = [(architecture, memory) for architecture in ARCHITECTURES for memory in MEMORY_MODES
-                if not (ARCHITECTURES[architecture].get("reversible") and MEMORY_MODES[memory].get("checkpoint_layers"))]
+                if not (ARCHITECTURES[architecture].get("reversible")
+                        and MEMORY_MODES[memory].get("checkpoint_layers"))]
 
 
 @pytest.mark.parametrize("architecture,memory", COMBINATIONS)

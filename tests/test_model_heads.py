@@ -4,10 +4,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForPreTraining
 
-from model import (LeanAlbertForPreTraining, LeanGPTForCausalLM, LeanModel, LeanTransformerConfig,
-                   apply_memory_options)
+from model import LeanAlbertForPreTraining, LeanGPTForCausalLM, LeanModel, LeanTransformerConfig, apply_memory_options
 from model.layers import LeanFFN, LeanSelfAttention
-from test_model_support import VOCAB, randomize, small_config
+from tests.support.model import VOCAB, randomize, small_config
 
 SEQ = 16
 

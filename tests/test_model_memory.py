@@ -7,7 +7,7 @@ import torch
 from model import LeanGPTForCausalLM, apply_memory_options
 from model.layers import LeanFFN, LeanSelfAttention
 from model.ops.rotary import rotary_tables
-from test_model_support import SavedTensors, small_config
+from tests.support.model import SavedTensors, small_config
 
 BATCH, SEQ, HIDDEN = 2, 24, 32  # all different, so shapes identify tensors
 

@@ -36,7 +36,8 @@ def _projection(fan_in, fan_out, generic):
 def _norm_params(enabled=True):
     if not enabled:
         return None, None
-    return (1 + 0.1 * torch.randn(HIDDEN, dtype=DTYPE)).requires_grad_(), (0.1 * torch.randn(HIDDEN, dtype=DTYPE)).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(HIDDEN, dtype=DTYPE)).requires_grad_()
+    return weight, (0.1 * torch.randn(HIDDEN, dtype=DTYPE)).requires_grad_()
 
 
 def _input():

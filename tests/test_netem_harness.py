@@ -1,4 +1,4 @@
-"""The emulated-link harness (tests/netem): hosts, cleanup, tbf bandwidth, the delay/loss/partition proxy,
+"""The emulated-link harness (tests/support/netem): hosts, cleanup, tbf bandwidth, the delay/loss/partition proxy,
 and real hivemind DHT peers talking through the proxies.
 
 Needs root and iproute2 (network namespaces); skipped otherwise. The bandwidth and RTT bounds are
@@ -9,15 +9,14 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
-from tests.netem.dht_agent import DHTAgent, close_agents
-from tests.netem.hosts import REPO_ROOT, Testbed, cleanup_stale, list_namespaces, netns_unavailable_reason
-from tests.netem.proxy import ProxySettings
-from tests.netem.tools import EchoClient, measure_throughput, start_echo_server
+from tests.support.netem.dht_agent import DHTAgent, close_agents
+from tests.support.netem.hosts import REPO_ROOT, Testbed, cleanup_stale, list_namespaces, netns_unavailable_reason
+from tests.support.netem.proxy import ProxySettings
+from tests.support.netem.tools import EchoClient, measure_throughput, start_echo_server
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -64,7 +63,7 @@ def test_cleanup_after_exception_and_killed_children():
 
 def test_cleanup_stale_removes_only_dead_runs():
     code = (
-        "import time\nfrom tests.netem.hosts import Testbed\n"
+        "import time\nfrom tests.support.netem.hosts import Testbed\n"
         "tb = Testbed(2).__enter__()\nprint(tb.prefix, flush=True)\ntime.sleep(60)\n"
     )
     orphan = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,

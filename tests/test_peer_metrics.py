@@ -7,9 +7,10 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from helpers.peers import share_tensors_by_file_descriptor
-from peer.metrics import LocalMetrics, fetch_metrics, metrics_key, publish_metrics
-from peer.network import NetworkArguments, create_dht, load_or_create_signing_key, make_validators
+from peer.swarm.identity import load_or_create_signing_key
+from peer.swarm.network import NetworkArguments, create_dht, make_validators
+from peer.swarm.records import LocalMetrics, fetch_metrics, metrics_key, publish_metrics
+from tests.support.processes import share_tensors_by_file_descriptor
 
 RUN_ID = "metrics_test"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]

@@ -30,6 +30,11 @@ BLOCK_RE = re.compile(r"<!-- readme-test: (?P<meta>.*?) -->\n```bash\n(?P<body>.
 ANY_BLOCK_RE = re.compile(r"```(?:bash|sh|shell|console)\n", re.S)
 JOIN_RE = re.compile(r"--initial_peers (/\S+(?: /\S+)*)")
 SHORTER = {"bash scripts/demo.sh": ["--duration", "100"], "bash scripts/test.sh": ["--collect-only", "-q"]}
+# files the commands write must land in the test's folder: the demo's --workdir (default outputs/demo, resolved
+# against the repository root, where scripts/demo.sh changes to) goes there, and outputs/ (the trainer's default
+# --output_dir) is not linked into the folder the commands run in
+IN_TMP = {"bash scripts/demo.sh": lambda tmp_path: ["--workdir", str(tmp_path / "demo")]}
+NOT_LINKED = {".git", "outputs"}
 DOCKER_RUN_VALUE_OPTIONS = {"-v", "--volume", "-p", "--publish", "-e", "--env", "--gpus", "--name"}
 
 pytestmark = pytest.mark.timeout(900)
@@ -130,7 +135,7 @@ def test_readme_commands_run(tmp_path):
     workdir = tmp_path / "work"
     workdir.mkdir()
     for entry in ROOT.iterdir():
-        if entry.name != ".git":
+        if entry.name not in NOT_LINKED:
             (workdir / entry.name).symlink_to(entry)
     exporters = []
     try:
@@ -139,12 +144,16 @@ def test_readme_commands_run(tmp_path):
             for n, command in enumerate(commands):
                 log = tmp_path / f"{kind}-{len(list(tmp_path.glob('*.log')))}.log"
                 if kind in ("run", "setup", "quickstart"):
-                    argv = shell_argv(command, env) if kind != "quickstart" else \
-                        ["bash", "-c", "exec " + command + " " + " ".join(SHORTER[command])]
+                    if kind == "quickstart":
+                        extra = [*SHORTER[command], *IN_TMP.get(command, lambda _: [])(tmp_path)]
+                        argv = ["bash", "-c", "exec " + command + " " + " ".join(map(shlex.quote, extra))]
+                    else:
+                        argv = shell_argv(command, env)
                     result = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
                     assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
                     if command == "bash scripts/demo.sh":
                         assert "Summary:" in result.stdout + result.stderr
+                        assert (tmp_path / "demo" / "aux.log").exists(), "the demo wrote outside the test's folder"
                     continue
                 if kind == "docker":
                     local = docker_to_local(command, env, tmp_path)

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from helpers.peers import REPO_ROOT, PeerProcess
-from helpers.trainer_swarm import tiny_model_config
+from tests.support.processes import REPO_ROOT, PeerProcess
+from tests.support.trainers import tiny_model_config
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -59,8 +59,8 @@ def test_bad_values_exit_2_with_a_message(args, message, tmp_path, capsys):
 def test_tokenizer_problems_exit_2_before_joining(tmp_path, capsys):
     import json
 
-    from helpers.peers import TINY_MODEL
     from peer.cli import parse_config
+    from tests.support.processes import TINY_MODEL
 
     small = tmp_path / "small_vocab.json"
     small.write_text(json.dumps({**TINY_MODEL, "vocab_size": 1000}))

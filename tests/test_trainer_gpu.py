@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from helpers.trainer_swarm import epoch_losses, final_params, start_trainer
+from tests.support.trainers import epoch_losses, final_params, start_trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,7 +22,7 @@ def test_training_on_cuda(tmp_path, precision):
         assert peer.wait(timeout=240) == 0, peer.tail()
     finally:
         peer.kill_tree()
-    losses = epoch_losses(peer.log())
+    losses = epoch_losses(peer)
     assert losses and all(math.isfinite(v) for v in losses.values())
     assert losses[max(losses)] < losses[min(losses)]
     assert all(torch.isfinite(t).all() for t in final_params(tmp_path / "gpu").values())

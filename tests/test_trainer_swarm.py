@@ -13,15 +13,21 @@ import signal
 import pytest
 import torch
 
-from helpers.peers import kill_all, wait_all
-from helpers.trainer_swarm import (epoch_losses, final_epoch, final_params, max_param_difference, start_trainer,
-                                   wait_for_epoch)
-from peer.faults import NAN_GRAD_STEPS_ENV, NAN_PARAM_EPOCHS_ENV
+from tests.support.faults.injection import NAN_GRAD_STEPS_ENV, NAN_PARAM_EPOCHS_ENV
+from tests.support.processes import kill_all, wait_all
+from tests.support.trainers import (
+    epoch_losses,
+    final_epoch,
+    final_params,
+    max_param_difference,
+    start_trainer,
+    wait_for_epoch,
+)
 
 pytestmark = pytest.mark.slow
 
 EXACT = ["--compression", "none"]
-STARTUP = 120  # seconds for a peer to import, start its DHT and log the join line on a loaded machine
+STARTUP = 120  # seconds for a peer to import, start its DHT and report how to join it on a loaded machine
 
 
 @pytest.fixture
@@ -33,13 +39,12 @@ def swarm():
 
 
 def _validation_loss(folder, model_config_path) -> float:
-    from model import LeanGPTForCausalLM
-    from peer.data import DataArguments, build_validation_dataset, load_tokenizer
-    from peer.model_setup import load_model_config
+    from model import LeanGPTForCausalLM, load_config
+    from peer.swarm.data import DataArguments, build_validation_dataset, load_tokenizer
 
     data_args = DataArguments(max_sequence_length=64, seq_warmup_start_length=0, max_validation_blocks=256)
     blocks = build_validation_dataset(data_args, load_tokenizer(data_args))
-    model = LeanGPTForCausalLM(load_model_config(str(model_config_path)))
+    model = LeanGPTForCausalLM(load_config(str(model_config_path)))
     model.load_state_dict(final_params(folder))
     model.eval()
     losses = []
@@ -64,12 +69,12 @@ def test_two_peers_agree_and_match_one_peer(tmp_path, swarm):
 
     for peer in (first, second):
         assert final_epoch(tmp_path / peer.name) == int(epochs)
-        losses = epoch_losses(peer.log())
+        losses = epoch_losses(peer)
         assert max(losses) == int(epochs) - 1, f"{peer.name} did not take part up to the last epoch"
         early, late = losses[min(losses)], losses[max(losses)]
         assert late < early - 0.3, f"{peer.name}: training loss did not fall ({early} -> {late})"
     # both peers took part in (almost) every epoch: epochs advanced together, not one peer alone
-    assert len(set(epoch_losses(first.log())) & set(epoch_losses(second.log()))) >= int(epochs) // 2
+    assert len(set(epoch_losses(first)) & set(epoch_losses(second))) >= int(epochs) // 2
     assert max_param_difference([tmp_path / "a", tmp_path / "b"]) <= 1e-6
 
     model_config = tmp_path / "tiny_model.json"
@@ -95,14 +100,15 @@ def test_three_peers_with_a_late_joiner(tmp_path, swarm):
     initial_peers += second.initial_peers()
     late = start_trainer(tmp_path, "c", "trio", initial_peers=initial_peers, extra=["--max_epochs", epochs, *EXACT])
     swarm.append(late)
-    joined_at = int(late.wait_for(r"Loaded the swarm's state: now at global epoch (\d+)", timeout=STARTUP).group(1))
+    joined_at = int(late.events.wait("state_loaded", timeout=STARTUP,
+                                     where=lambda e: e["source"] == "swarm" and e["reason"] == "join")["epoch"])
     assert joined_at >= 2
 
     assert wait_all([first, second, late], timeout=300) == [0, 0, 0]
     for name in "abc":
         assert final_epoch(tmp_path / name) == int(epochs)
     # a slower peer may skip an epoch now and then (it catches up by downloading the state), but it trains along
-    contributed = [epoch for epoch in epoch_losses(late.log()) if epoch >= joined_at]
+    contributed = [epoch for epoch in epoch_losses(late) if epoch >= joined_at]
     assert len(contributed) >= 3, f"the late joiner hardly trained after joining: {contributed}"
     assert max_param_difference([tmp_path / "a", tmp_path / "b", tmp_path / "c"]) <= 1e-6
 
@@ -117,10 +123,10 @@ def test_sigkilled_peer_leaves_nothing_and_others_go_on(tmp_path, swarm):
               for name in ("b", "victim")]
     swarm += others
     second, victim = others
-    victim.wait_for(r"Global epoch \d+ done", timeout=180, count=2)
+    victim.events.wait("epoch_done", timeout=180, count=2)
     tree = victim.snapshot_tree()
     assert len(tree) >= 3, "expected the peer, its DHT and averager processes"
-    killed_at = max(epoch_losses(victim.log()))
+    killed_at = max(epoch_losses(victim))
     victim.kill()
     survivors = victim.wait_until_gone(timeout=10)
     assert not survivors, f"processes of the killed peer are still running: {survivors}"
@@ -128,7 +134,7 @@ def test_sigkilled_peer_leaves_nothing_and_others_go_on(tmp_path, swarm):
     assert wait_all([first, second], timeout=240) == [0, 0]
     for peer in (first, second):
         assert final_epoch(tmp_path / peer.name) == 10
-        assert max(epoch_losses(peer.log())) > killed_at + 1
+        assert max(epoch_losses(peer)) > killed_at + 1
 
 
 @pytest.mark.timeout(300)
@@ -148,6 +154,7 @@ def test_nan_gradients_and_parameters_are_survived(tmp_path, swarm):
     assert "Skipping local step 9: NaN/inf loss or gradients (3 skipped so far)" in log
     assert "FAULT INJECTION: NaN parameter at global epoch 4" in log
     assert "Recovered by loading the swarm's state" in log
+    assert faulty.events.all("state_loaded", where=lambda e: e["source"] == "swarm" and e["reason"] == "recovery")
     for name in ("a", "faulty"):
         params = final_params(tmp_path / name)
         assert all(torch.isfinite(t).all() for t in params.values()), f"{name} ended with NaN/inf parameters"
@@ -159,9 +166,9 @@ def _check_published_metrics(initial_peers, run_id):
     """Another peer (here: the test process) reads the trainer's signed per-epoch metrics from the DHT."""
     import hivemind
 
-    from helpers.peers import share_tensors_by_file_descriptor
-    from peer.metrics import fetch_metrics
-    from peer.network import make_validators
+    from peer.swarm.network import make_validators
+    from peer.swarm.records import fetch_metrics
+    from tests.support.processes import share_tensors_by_file_descriptor
 
     share_tensors_by_file_descriptor()
     validators, _ = make_validators(run_id, hivemind.utils.crypto.RSAPrivateKey())
@@ -183,19 +190,22 @@ def test_lone_peer_recovers_from_backup_stops_on_sigterm_and_resumes(tmp_path, s
     peer = start_trainer(tmp_path, "a", "term", env={NAN_PARAM_EPOCHS_ENV: "3"},
                          extra=["--backup_every_epochs", "2"])
     swarm.append(peer)
-    peer.wait_for(r"Recovered from the local backup \(global epoch 2\)", timeout=STARTUP)
+    peer.events.wait("state_loaded", timeout=STARTUP,
+                     where=lambda e: e["source"] == "backup" and e["reason"] == "recovery" and e["epoch"] == 2)
     wait_for_epoch(peer, 4, timeout=60)
     _check_published_metrics(peer.initial_peers(), "term")
     assert peer.stop(signal.SIGTERM, timeout=30) == 0
     log = peer.log()
     assert "Received SIGTERM" in log and "Leaving the swarm" in log and "Shut down cleanly" in log
+    assert [e["code"] for e in peer.events.all("exiting")] == [0]
     assert not peer.wait_until_gone(timeout=10)
     stopped_at = final_epoch(tmp_path / "a")
     assert stopped_at >= 5
 
     again = start_trainer(tmp_path, "a", "term", extra=["--max_epochs", str(stopped_at + 1)])
     swarm.append(again)
-    again.wait_for(rf"Restored the local backup from .* \(global epoch {stopped_at}\)", timeout=STARTUP)
+    again.events.wait("state_loaded", timeout=STARTUP,
+                      where=lambda e: e["source"] == "backup" and e["reason"] == "join" and e["epoch"] == stopped_at)
     assert again.wait(timeout=120) == 0
     assert final_epoch(tmp_path / "a") == stopped_at + 1
-    assert math.isfinite(max(epoch_losses(again.log()).values()))
+    assert math.isfinite(max(epoch_losses(again).values()))

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass, field
 from typing import List, Literal, Optional
@@ -13,11 +11,11 @@ import torch
 from hivemind.compression import BlockwiseQuantization, Float16Compression, deserialize_torch_tensor
 from hivemind.compression.base import CompressionInfo
 
-from helpers.peers import PeerProcess, share_tensors_by_file_descriptor
-from peer.arguments import CollaborationArguments, OptimizerArguments
-from peer.cli_args import DataclassArgumentParser, field_docs
-from peer.collaboration import learning_rate_at, make_compression, parameter_groups
-from peer.lamb import CPULamb8Bit
+from peer.swarm.cli_args import DataclassArgumentParser, field_docs
+from peer.swarm.config import CollaborationArguments, OptimizerArguments
+from peer.swarm.lamb import CPULamb8Bit
+from peer.swarm.optimizer import learning_rate_at, make_compression, parameter_groups
+from tests.support.processes import PeerProcess, share_tensors_by_file_descriptor
 
 # ------------------------------------------------------------------------------------------ CLI layer
 
@@ -196,8 +194,8 @@ def _peer_on(run_id: str, initial_peers=()):
     """A DHT and a real model + hivemind optimizer, for in-process tests with one peer or several."""
     import hivemind
 
-    from peer.collaboration import build_optimizer
-    from peer.network import make_validators
+    from peer.swarm.network import make_validators
+    from peer.swarm.optimizer import build_optimizer
 
     key = hivemind.utils.crypto.RSAPrivateKey()
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers),
@@ -288,7 +286,7 @@ def test_states_with_nan_values_are_neither_served_nor_applied(monkeypatch):
     share_tensors_by_file_descriptor()
     from hivemind.optim.state_averager import TrainingStateAverager
 
-    from peer.collaboration import CheckedStateAverager
+    from peer.swarm.hivemind_seam import LeanHiveStateAverager
 
     dht_a, _, opt_a = _peer_on("nan-state")
     dht_b, model_b, opt_b = _peer_on("nan-state", dht_a.get_visible_maddrs())
@@ -312,7 +310,7 @@ def test_states_with_nan_values_are_neither_served_nor_applied(monkeypatch):
         peers.pop(0)
         # a faulty peer serves its state unchecked (hivemind's own serving code); the WeakMethod that serves
         # the state binds the class's function when the averager is built, so the patch only affects this one
-        monkeypatch.setattr(CheckedStateAverager, "get_current_state", TrainingStateAverager.get_current_state)
+        monkeypatch.setattr(LeanHiveStateAverager, "get_current_state", TrainingStateAverager.get_current_state)
         dht_c, _, opt_c = _peer_on("nan-state", dht_b.get_visible_maddrs())
         monkeypatch.undo()
         peers.append((dht_c, opt_c))
@@ -328,7 +326,7 @@ def test_states_with_nan_values_are_neither_served_nor_applied(monkeypatch):
 
 def test_state_download_is_retried_while_the_peers_catch_up():
     """The peers that answer may be a moment behind (hivemind refuses their state): the download is retried."""
-    from peer.collaboration import download_state
+    from peer.swarm.joining import download_state
 
     class _Optimizer:
         def __init__(self, answers):
@@ -348,7 +346,7 @@ def test_state_download_is_retried_while_the_peers_catch_up():
 
 _GUARDED = textwrap.dedent("""
     import multiprocessing as mp, subprocess, sys, time
-    from peer import process_guard
+    from peer.swarm import process_guard
 
     def child():
         grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -379,7 +377,7 @@ def test_children_die_with_a_sigkilled_parent(tmp_path):
 
 _STUCK_PEER = textwrap.dedent("""
     import logging, sys, threading
-    import peer.cli as cli
+    import peer.swarm.lifecycle as cli
 
     class StuckPeer:  # its step never ends by itself, like an all-reduce waiting out a long averaging_timeout
         def __init__(self):
@@ -418,7 +416,7 @@ def test_a_stop_signal_interrupts_a_step_that_overruns_the_grace_period(tmp_path
 
 _SWALLOWING_PEER = textwrap.dedent("""
     import logging, sys, threading
-    import peer.cli as cli
+    import peer.swarm.lifecycle as cli
 
     class SwallowingPeer:  # the stop-now KeyboardInterrupt lands where Python only prints it, like an at-fork hook
         def __init__(self, after):

@@ -38,7 +38,8 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     """
     if chunk_size == 0:
         return _lm_loss_plain(hidden, weight, bias, labels)
-    needs = [torch.is_grad_enabled() and tensor is not None and tensor.requires_grad for tensor in (hidden, weight, bias)]
+    grad_enabled = torch.is_grad_enabled()
+    needs = [grad_enabled and tensor is not None and tensor.requires_grad for tensor in (hidden, weight, bias)]
     return ChunkedLMLossFunction.apply(hidden, weight, bias, labels, chunk_size, _compute_dtype(hidden, weight),
                                        tuple(needs))
 

@@ -4,7 +4,7 @@ cos/sin tables are computed once per forward pass and shared by every layer (nev
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 

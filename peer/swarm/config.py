@@ -1,0 +1,182 @@
+"""A run preset's typed settings: collaboration (hivemind), optimizer (8-bit LAMB) and the trainer's loop.
+
+Every peer of a run reads the same preset (``configs/run/``): the aux peer uses the collaboration and optimizer
+settings to build the trainers' optimizer, and checks (then drops) the training settings. Network settings live
+in ``peer.swarm.network.NetworkArguments`` and data settings in ``peer.swarm.data.DataArguments``. Every field
+has a docstring: it is the ``--help`` text of its flag.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from configs import RUN_PRESETS_DIR
+from peer.swarm.validate import integer_at_least, non_negative, positive, require
+
+__all__ = ["RUN_PRESETS_DIR", "CollaborationArguments", "OptimizerArguments", "TrainingArguments"]
+
+
+@dataclass
+class CollaborationArguments:
+    """How this peer accumulates, averages and shares progress with the swarm (hivemind.Optimizer)."""
+
+    target_batch_size: int = 4096
+    """Samples the whole swarm accumulates per global step (one global epoch); the same on every peer."""
+    matchmaking_time: float = 5.0
+    """Seconds to wait for peers to form an averaging group (3-5 on a LAN, 10-15 over the internet)."""
+    averaging_timeout: float = 60.0
+    """Give up an averaging round after this many seconds (about twice the time all-reduce takes)."""
+    allreduce_timeout: Optional[float] = None
+    """Timeout of one all-reduce attempt; None means averaging_timeout."""
+    request_timeout: Optional[float] = None
+    """Seconds to wait for a peer's reply in matchmaking; must be below matchmaking_time (None: the smaller
+    of 3 s and 0.8 x matchmaking_time)."""
+    load_state_timeout: float = 120.0
+    """Seconds to wait for one download of the swarm's state (parameters + optimizer statistics)."""
+    delay_optimizer_step: bool = False
+    """Run the optimizer step in the background and apply it at the next step (one step of staleness)."""
+    delay_grad_averaging: bool = False
+    """Average gradients in the background too (needs delay_optimizer_step); with it: delayed parameter updates."""
+    average_state_every: int = 1
+    """Average parameters and optimizer statistics with peers every this many global epochs."""
+    compression_threshold: int = 65536
+    """Tensors with fewer elements are sent in fp16, larger ones 8-bit blockwise-quantized."""
+    compression: Literal["adaptive", "fp16", "none"] = "adaptive"
+    """Wire format of averaged tensors: adaptive (fp16 small / 8-bit large), fp16 for all, or none (fp32)."""
+    min_peers: int = 1
+    """Before the first step, wait until this many state-sharing peers (this one included) are online."""
+    startup_wait: float = 60.0
+    """Seconds to wait for the swarm's progress (and for min_peers) before training starts."""
+    final_sync_timeout: float = 60.0
+    """At max_epochs, wait at most this long for the other peers to get there too, then all take the same
+    final parameters (from the peer elected by state-sharing priority); 0 skips this final barrier."""
+    load_state_attempts: int = 3
+    """Tries to download the swarm's state when joining before training on with the local state."""
+    contribution_clip: float = 4.0
+    """Robust averaging: NaN/inf contributions are dropped and each peer's deviation from the coordinate-wise
+    median is clipped to this many times the median deviation (a bound on any one peer's influence); 0: plain
+    mean (NaN/inf contributions are still dropped)."""
+    metrics_expiration: float = 600.0
+    """Seconds this peer's published metrics stay visible in the DHT after its last update."""
+    verbose: bool = False
+    """Log hivemind's internal events (matchmaking, averaging rounds, state downloads)."""
+
+    def __post_init__(self):
+        require(isinstance(self.target_batch_size, int) and self.target_batch_size > 0,
+                 f"target_batch_size must be a positive integer, got {self.target_batch_size!r}")
+        positive(self, "matchmaking_time", "averaging_timeout", "load_state_timeout")
+        if self.request_timeout is None:
+            self.request_timeout = min(3.0, 0.8 * self.matchmaking_time)
+        positive(self, "request_timeout")
+        # hivemind's matchmaking can deadlock when a reply may take longer than a matchmaking round
+        require(self.request_timeout < self.matchmaking_time,
+                 f"request_timeout ({self.request_timeout}) must be smaller than matchmaking_time "
+                 f"({self.matchmaking_time}); e.g. --request_timeout {0.8 * self.matchmaking_time:g}")
+        if self.allreduce_timeout is not None:
+            positive(self, "allreduce_timeout")
+        require(not self.delay_grad_averaging or self.delay_optimizer_step,
+                 "delay_grad_averaging requires delay_optimizer_step: add --delay_optimizer_step")
+        integer_at_least(self, 1, "average_state_every", "compression_threshold", "min_peers", "load_state_attempts")
+        non_negative(self, "startup_wait", "final_sync_timeout", "contribution_clip")
+        positive(self, "metrics_expiration")
+
+
+@dataclass
+class OptimizerArguments:
+    """8-bit LAMB (statistics quantized with bitsandbytes, kept on the CPU) and its learning-rate schedule."""
+
+    learning_rate: float = 2.5e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_learning_rate: float = 1e-5
+    """Learning rate at the end of the decay (an absolute value, not a fraction of learning_rate)."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup: cosine or linear down to min_learning_rate, or constant."""
+    warmup_steps: int = 100
+    """Global steps (= global epochs) of linear warmup from 0 to learning_rate."""
+    total_steps: int = 10000
+    """Global step at which the decay reaches min_learning_rate (it stays there afterwards)."""
+    adam_beta1: float = 0.9
+    """LAMB's first-moment decay."""
+    adam_beta2: float = 0.999
+    """LAMB's second-moment decay."""
+    adam_epsilon: float = 1e-6
+    """Added to the second-moment root for numerical stability."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay; biases and normalization weights never decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global norm of the swarm-averaged gradients to this; 0 disables clipping."""
+    clamp_value: float = 10.0
+    """Trust-ratio clamp: the parameter norm in LAMB's ratio |param| / |update| is capped at this."""
+    bias_correction: bool = True
+    """Divide the moment estimates by (1 - beta^step), as Adam does."""
+    min_8bit_size: int = 4096
+    """Tensors with fewer elements keep fp32 statistics; larger ones store them in 8 bits."""
+
+    def __post_init__(self):
+        positive(self, "learning_rate", "adam_epsilon", "clamp_value")
+        non_negative(self, "min_learning_rate", "weight_decay", "max_grad_norm")
+        require(self.min_learning_rate <= self.learning_rate,
+                 f"min_learning_rate ({self.min_learning_rate}) must not exceed learning_rate ({self.learning_rate})")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            require(0.0 <= value < 1.0, f"{name} must be in [0, 1), got {value}")
+        require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+                 f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        require(isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps,
+                 f"total_steps ({self.total_steps}) must be an integer larger than warmup_steps ({self.warmup_steps})")
+        require(isinstance(self.min_8bit_size, int) and self.min_8bit_size >= 1,
+                 f"min_8bit_size must be an integer >= 1, got {self.min_8bit_size!r}")
+
+
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+
+
+@dataclass
+class TrainingArguments:
+    """The local training loop: model, batch, precision, memory options, backups and stopping."""
+
+    model_config: str = "tiny"
+    """Model preset name (configs/model/<name>.json) or path to a LeanTransformerConfig JSON file."""
+    output_dir: str = "outputs"
+    """Where local backups and the final parameters are written."""
+    per_device_batch_size: int = 8
+    """Sequences per micro-batch on each device."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated per local step (batch_size_per_step = micro-batch x this x devices)."""
+    max_epochs: Optional[int] = None
+    """Stop cleanly once the swarm reaches this global epoch (None: train until interrupted)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs: auto picks cuda when available, else cpu."""
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+    """Autocast precision: fp16 (with hivemind's GradScaler) or bf16 need CUDA; auto is fp16 on CUDA, fp32 on CPU."""
+    checkpoint_layers: Optional[bool] = None
+    """Recompute layer activations in backward to save memory (None keeps the model config's choice)."""
+    custom_ffn: Optional[bool] = None
+    """Use the memory-lean FFN with hand-written backward (None keeps the model config's choice)."""
+    custom_attention: Optional[bool] = None
+    """Use the memory-lean attention with hand-written backward (None keeps the model config's choice)."""
+    loss_chunk_size: Optional[int] = None
+    """Tokens per chunk of the LM loss, so full logits never exist at once; 0 computes full logits
+    (None keeps the config's value)."""
+    init_seed: int = 0
+    """Seed of the model initialization (the same on every peer, so epoch-0 parameters agree)."""
+    backup_every_epochs: int = 5
+    """Write a local backup (parameters + optimizer state) every this many global epochs; 0 disables."""
+    log_every_steps: int = 1
+    """Log a progress line every this many local steps."""
+    torch_threads: Optional[int] = None
+    """CPU threads torch may use (None: torch's default, which honours OMP_NUM_THREADS)."""
+
+    def __post_init__(self):
+        integer_at_least(self, 1, "per_device_batch_size", "gradient_accumulation_steps", "log_every_steps")
+        require(self.max_epochs is None or (isinstance(self.max_epochs, int) and self.max_epochs >= 1),
+                 f"max_epochs must be an integer >= 1 (or None to train until interrupted), got {self.max_epochs!r}")
+        require(isinstance(self.backup_every_epochs, int) and self.backup_every_epochs >= 0,
+                 f"backup_every_epochs must be an integer >= 0 (0 disables backups), got {self.backup_every_epochs!r}")
+        require(self.precision in PRECISIONS,
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        require(self.loss_chunk_size is None or self.loss_chunk_size >= 0,
+                 f"loss_chunk_size must be a number of tokens >= 0 (0: full logits), got {self.loss_chunk_size!r}")
+        require(self.torch_threads is None or self.torch_threads >= 1,
+                 f"torch_threads must be a positive integer, got {self.torch_threads!r}")
+        require(bool(self.model_config), "model_config must name a preset (e.g. tiny) or a JSON file")

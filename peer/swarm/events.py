@@ -1,0 +1,85 @@
+"""A peer's lifecycle events as JSON lines (``--events_file``), for scripts and tests that watch peers.
+
+Each line is one object: ``{"event": NAME, "time": <unix time>, "pid": <process id>, ...fields}``, appended and
+flushed as it happens. The events and their fields:
+
+- ``dht_started`` (both peers): ``peer_id``, ``initial_peers`` (what others pass to ``--initial_peers``), ``run_id``
+- ``joined`` (trainer, training starts): ``epoch``, ``state`` ("swarm", "backup" or "local")
+- ``serving`` (aux peer, HTTP server up): ``port``, ``epoch``
+- ``state_loaded``: ``epoch``, ``source`` ("swarm", "backup", "checkpoint"), ``reason`` ("join", "recovery",
+  "resync", "refresh", "resume"), ``path`` (the backup file or checkpoint folder, else null)
+- ``epoch_done`` (trainer): ``epoch``, ``loss`` (mean, or null), ``mini_steps``, ``samples``, ``steps``, ``skipped``,
+  ``now_at``
+- ``backup_written`` (trainer) / ``checkpoint_saved`` (aux peer): ``epoch``, ``path``
+- ``offering_checkpoint`` (aux peer, no trainer online): ``epoch``
+- ``reconnected`` (after being cut off from every peer): ``after_seconds``
+- ``max_epochs_reached`` (trainer): ``epoch``
+- ``exiting``: ``code``
+
+The log says the same for humans; this file is the stable, machine-readable form. One sink per process, opened
+by the entry point (``open_events``); without it ``emit`` does nothing.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Optional
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EventArguments:
+    """Machine-readable lifecycle events (for scripts and tests that watch the peer)."""
+
+    events_file: Optional[str] = None
+    """Append this peer's lifecycle events (joined, epoch done, state loaded, backup written, exiting...) to this
+    file as JSON lines; see peer/swarm/events.py for the format."""
+
+
+_lock = threading.Lock()
+_sink: Optional[IO[str]] = None
+
+
+def open_events(path: Optional[str]) -> None:
+    """Send this process's events to ``path`` (appending); None keeps them off."""
+    global _sink
+    with _lock:
+        if _sink is not None:
+            _sink.close()
+            _sink = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _sink = open(path, "a", encoding="utf-8")
+
+
+def _plain(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/inf
+    return value
+
+
+def emit(event: str, **fields) -> None:
+    """Write one event line (no-op without an events file); never raises into the caller."""
+    if _sink is None:
+        return
+    record = {"event": event, "time": time.time(), "pid": os.getpid(),
+              **{name: _plain(value) for name, value in fields.items()}}
+    try:
+        line = json.dumps(record, default=str)
+        with _lock:
+            if _sink is not None:
+                _sink.write(line + "\n")
+                _sink.flush()
+    except (OSError, ValueError) as e:
+        logger.warning("Could not write the %s event to the events file: %s", event, e)
+
+
+def close_events() -> None:
+    open_events(None)

@@ -1,0 +1,155 @@
+"""The one place where LeanHive reaches into hivemind: every subclass of a hivemind class, every override of a
+hivemind method and every use of a private hivemind attribute lives in this small package (``dht``: records,
+keys, authorization, routing; ``averaging``: the averagers and the optimizer).
+
+Written against hivemind 1.1.12 (``PINNED_HIVEMIND_VERSION``, the version pyproject.toml pins).
+tests/test_hivemind_seam.py fails loudly when the installed version differs or when the signature of a hivemind
+method overridden here changed (``OVERRIDDEN_METHODS``); read the hivemind diff for each entry before moving the
+pin. The overrides, and why each exists:
+
+DHT records and authorization
+- ``RecordSizeValidator(RecordValidatorBase)``: refuses oversized records under any key (schemas only cover the
+  keys they know), so a hostile peer cannot fill honest peers' memory.
+- ``AllowlistAuthorizer(TokenAuthorizerBase)``: hivemind's signed-request protocol with an allowlist of keys
+  instead of an authority (``--authorized_keys``).
+- ``authorized_peer_ids``: reads the authorizer back from the private ``DHT.kwargs``.
+- ``_AllowlistServicer``: averaging RPCs carry no token, so each ``rpc_*`` handler is wrapped with a check of the
+  caller's libp2p peer ID; it uses ``ServicerBase._collect_rpc_handlers`` / ``_rpc_handlers`` (private).
+- ``private_key_from_der``: builds an ``RSAPrivateKey`` around a key read from disk (sets its private
+  ``_private_key``; hivemind only offers a process-wide key or a fresh one).
+
+DHT routing (the watchdog)
+- ``routing_table_peers`` / ``ping_peers``: read ``DHTNode.protocol.routing_table`` and ``DHTNode.blacklist`` and
+  ping through ``protocol.call_ping``: hivemind 1.1.12 never re-contacts peers after a partition by itself.
+
+Averaging (both averagers of hivemind.Optimizer)
+- ``AveragingPolicy``: what the two averager classes below are configured with (an explicit object); both have
+  ``_PolicyAveraging`` as their first base, which applies it (one level, nothing injected below hivemind).
+- ``add_p2p_handlers`` (override, ``ServicerBase``): with an allowlist, registers ``_AllowlistServicer``.
+- ``_run_allreduce_inplace_`` (override of a private ``DecentralizedAverager`` method): runs
+  ``BoundedAllReduceRunner`` (robust aggregation, see peer.swarm.robust) and refuses non-finite averaged values.
+- ``BoundedPartReducer(TensorPartReducer)`` / ``BoundedAllReduceRunner(AllReduceRunner)``: the reducer keeps every
+  sender's part and aggregates with ``bounded_mean`` instead of a running sum (replaces the private
+  ``accumulator`` and ``tensor_part_reducer``).
+- ``__del__`` (override): hivemind's destructors assume a finished constructor; a stop signal while joining leaves a
+  half-built object whose ``__del__`` raises AttributeError at exit. That error alone is dropped.
+
+State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
+- ``_load_state_from_peers`` (override of a private method, runs in the averager process): a downloaded state with
+  NaN/inf values is not handed over (``AveragingPolicy.finite_downloads_only``).
+- ``load_state_from_peers`` / ``_update_scheduler`` (private) / ``step`` / ``get_current_state``: tell whether a
+  download was applied (hivemind returns quietly when nobody answers), label the served state with the epoch its
+  parameters are really at, snapshot it under ``lock_optimizer`` and refuse to serve NaN/inf.
+
+Gradient averager (``LeanHiveGradientAverager(GradientAverager)``)
+- ``_on_averaged_tensor``: an extension point (does nothing) called for each averaged tensor received; the tests'
+  fault entry point overrides it.
+
+Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
+- ``_make_state_averager`` (private factory): builds ``LeanHiveStateAverager`` with our policy.
+- ``load_state_dict``: tells the state averager that its parameters were replaced.
+- ``sync_offloaded_parameters``: after parameters change in place, copy them into hivemind's offloaded copies;
+  calls the private ``_load_local_tensors_into_averager_`` and ``_update_scheduler``, as hivemind does after a
+  download.
+"""
+from __future__ import annotations
+
+import hivemind
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import TensorPartReducer
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils.auth import TokenAuthorizerBase
+
+from peer.swarm.hivemind_seam.averaging import (
+    AveragingPolicy,
+    BoundedAllReduceRunner,
+    BoundedPartReducer,
+    LeanHiveGradientAverager,
+    LeanHiveOptimizer,
+    LeanHiveStateAverager,
+    sync_offloaded_parameters,
+)
+from peer.swarm.hivemind_seam.dht import (
+    MAX_RECORD_BYTES,
+    AllowlistAuthorizer,
+    RecordSizeValidator,
+    authorized_peer_ids,
+    ping_peers,
+    private_key_from_der,
+    routing_table_peers,
+)
+
+__all__ = ["MAX_RECORD_BYTES", "OVERRIDDEN_METHODS", "PINNED_HIVEMIND_VERSION", "PRIVATE_ATTRIBUTES",
+           "AllowlistAuthorizer", "AveragingPolicy", "BoundedAllReduceRunner", "BoundedPartReducer",
+           "LeanHiveGradientAverager", "LeanHiveOptimizer", "LeanHiveStateAverager", "RecordSizeValidator",
+           "authorized_peer_ids", "ping_peers", "private_key_from_der", "routing_table_peers",
+           "sync_offloaded_parameters"]
+
+PINNED_HIVEMIND_VERSION = "1.1.12"
+
+# (hivemind class, method name, its signature in the pinned version): checked by tests/test_hivemind_seam.py
+_DA = hivemind.averaging.DecentralizedAverager
+OVERRIDDEN_METHODS = [
+    (RecordValidatorBase, "validate", "(self, record: hivemind.dht.validation.DHTRecord) -> bool"),
+    (RecordValidatorBase, "merge_with", "(self, other: 'RecordValidatorBase') -> bool"),
+    (RecordValidatorBase, "priority", "property"),
+    (TokenAuthorizerBase, "get_token", "(self) -> auth_pb2.AccessToken"),
+    (TokenAuthorizerBase, "is_token_valid", "(self, access_token: auth_pb2.AccessToken) -> bool"),
+    (TokenAuthorizerBase, "does_token_need_refreshing", "(self, access_token: auth_pb2.AccessToken) -> bool"),
+    (_DA, "add_p2p_handlers", "(self, p2p: hivemind.p2p.p2p_daemon.P2P, wrapper: Any = None, *, "
+                              "namespace: Optional[str] = None, balanced: bool = False) -> None"),
+    (_DA, "_run_allreduce_inplace_", "(self, tensors: 'Sequence[torch.Tensor]', group_info: 'GroupInfo', "
+                                     "group_id: 'Optional[bytes]' = None, **kwargs)"),
+    (_DA, "_load_state_from_peers", "(self, future: 'MPFuture', timeout: 'Optional[float]' = None)"),
+    (_DA, "__del__", "(self)"),
+    (TrainingStateAverager, "get_current_state", "(self)"),
+    (TrainingStateAverager, "step",
+     "(self, wait_for_delayed_updates: bool = None, apply_delayed_updates: bool = True, increment_epoch: bool = "
+     "False, optimizer_step: bool = False, zero_grad: bool = False, delay_optimizer_step: bool = False, "
+     "averaging_round: bool = False, delay_averaging: Optional[bool] = None, averaging_control: "
+     "Optional[hivemind.averaging.control.StepControl] = None, wait_for_trigger: Optional[Callable[[], Any]] = "
+     "None, grad_scaler: Optional[hivemind.optim.grad_scaler.GradScaler] = None, set_to_none: bool = True, "
+     "averaging_opts: Optional[Dict[str, Any]] = None)"),
+    (TrainingStateAverager, "load_state_from_peers", "(self, **kwargs)"),
+    (TrainingStateAverager, "_update_scheduler", "(self)"),
+    (TrainingStateAverager, "_load_local_tensors_into_averager_", "(self)"),
+    (TrainingStateAverager, "__del__", "(self)"),
+    (GradientAverager, "__del__", "(self)"),
+    # overridden by the tests' fault entry point (tests/support/fault_trainer.py), not by LeanHive itself
+    (GradientAverager, "load_accumulators_into_averager_", "(self)"),
+    (TensorPartReducer, "reset_accumulators", "(self)"),
+    (AllReduceRunner, "__init__",
+     "(self, *, p2p: hivemind.p2p.p2p_daemon.P2P, servicer_type: Type[hivemind.p2p.servicer.ServicerBase], "
+     "prefix: Optional[str], group_id: bytes, tensors: Sequence[torch.Tensor], weight: Optional[float] = None, "
+     "ordered_peer_ids: Sequence[hivemind.p2p.p2p_daemon_bindings.datastructures.PeerID], peer_fractions: "
+     "Tuple[float, ...], modes: Optional[Sequence[hivemind.averaging.allreduce.AveragingMode]] = None, "
+     "sender_timeout: Optional[float] = None, reducer_timeout: Optional[float] = None, **kwargs)"),
+    (hivemind.Optimizer, "_make_state_averager", "(self, **kwargs) -> 'TrainingStateAverager'"),
+    (hivemind.Optimizer, "load_state_dict", "(self, state_dict: 'dict')"),
+    (hivemind.Optimizer, "__del__", "(self)"),
+]
+# private (or internal) hivemind attributes used here: (module, class name, attribute), checked by the same test
+PRIVATE_ATTRIBUTES = [
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "tensor_part_reducer"),
+    ("hivemind.averaging.partition", "TensorPartReducer", "accumulator"),
+    ("hivemind.averaging.partition", "TensorPartReducer", "finished"),
+    ("hivemind.averaging.partition", "TensorPartReducer", "part_shapes"),
+    ("hivemind.averaging.partition", "TensorPartReducer", "num_senders"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "_p2p"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "_running_groups"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "_averaging_alpha"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "_state_updated"),
+    ("hivemind.p2p.servicer", "ServicerBase", "_collect_rpc_handlers"),
+    ("hivemind.p2p.servicer", "ServicerBase", "_rpc_handlers"),
+    ("hivemind.utils.crypto", "RSAPrivateKey", "_private_key"),
+    ("hivemind.dht.dht", "DHT", "kwargs"),
+    ("hivemind.dht.node", "DHTNode", "protocol"),
+    ("hivemind.dht.node", "DHTNode", "blacklist"),
+    ("hivemind.dht.protocol", "DHTProtocol", "routing_table"),
+    ("hivemind.dht.protocol", "DHTProtocol", "call_ping"),
+    ("hivemind.dht.routing", "RoutingTable", "uid_to_peer_id"),
+    ("hivemind.optim.state_averager", "TrainingStateAverager", "main_parameters"),
+    ("hivemind.optim.state_averager", "TrainingStateAverager", "reuse_tensors"),
+]

@@ -1,0 +1,216 @@
+"""The swarm protocol around hivemind.Optimizer: joining (waiting for peers, downloading the state), re-syncing
+after an isolation, and the final barrier at max_epochs.
+
+Every peer's view of the others comes from ``peer.swarm.records`` (one reader for hivemind's progress and
+state-sharing records).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Dict, Optional, Tuple
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from peer.swarm import events
+from peer.swarm.config import CollaborationArguments
+from peer.swarm.hivemind_seam import LeanHiveOptimizer
+from peer.swarm.records import read_progress, read_state_sharing
+
+logger = logging.getLogger(__name__)
+
+
+def count_other_state_sharing_peers(dht: hivemind.DHT, run_id: str) -> int:
+    """Other peers that currently offer their state (trainers not in client mode, auxiliary peers)."""
+    own_id = dht.peer_id.to_bytes()
+    return sum(1 for peer_id in read_state_sharing(dht, run_id) if peer_id != own_id)
+
+
+def wait_for_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str,
+                   collab: CollaborationArguments) -> None:
+    """Wait (at most startup_wait s) for the swarm's progress and for min_peers peers to be online."""
+    deadline = time.monotonic() + collab.startup_wait
+    optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout=collab.startup_wait)
+    if collab.min_peers > 1:
+        online = 1 + count_other_state_sharing_peers(dht, run_id)
+        while online < collab.min_peers and time.monotonic() < deadline:
+            time.sleep(0.5)
+            online = 1 + count_other_state_sharing_peers(dht, run_id)
+        if online < collab.min_peers:
+            logger.warning("Only %d of min_peers=%d peers are online after %.0f s; starting anyway",
+                           online, collab.min_peers, collab.startup_wait)
+        else:
+            logger.info("%d peers online; starting", online)
+
+
+def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str,
+               collab: CollaborationArguments) -> bool:
+    """Load the swarm's state if anyone else is training; True if a state arrived.
+
+    hivemind's load_state_from_peers returns quietly when nobody answers, so the arrival is checked and
+    the download retried a few times before training on with the local state (logged as a warning).
+    """
+    progress = optimizer.tracker.global_progress
+    if progress.num_peers > 0 and optimizer.local_epoch > progress.epoch:
+        logger.info("The local backup (epoch %d) is ahead of the swarm (epoch %d): the others will load it",
+                    optimizer.local_epoch, progress.epoch)
+        return False
+    others = (progress.num_peers > 0 or progress.epoch > optimizer.local_epoch
+              or count_other_state_sharing_peers(dht, run_id) > 0)
+    if not others:
+        logger.info("No other peers reported progress: starting a new collaboration at epoch %d",
+                    optimizer.local_epoch)
+        return False
+    if download_state(optimizer, collab.load_state_attempts):
+        logger.info("Loaded the swarm's state: now at global epoch %d", optimizer.local_epoch)
+        events.emit("state_loaded", epoch=optimizer.local_epoch, source="swarm", reason="join", path=None)
+        return True
+    logger.warning("Could not download the swarm's state; training on from the local state at epoch %d "
+                   "(hivemind retries when it notices this peer is behind)", optimizer.local_epoch)
+    return False
+
+
+def download_state(optimizer: LeanHiveOptimizer, attempts: int, pause: float = 2.0) -> bool:
+    """Download and apply the swarm's state, retrying: nobody may answer yet, or the peers that answer may be a
+    moment behind (still applying the epoch this peer just finished; hivemind refuses such a state)."""
+    for attempt in range(1, attempts + 1):
+        if optimizer.load_state_checked():
+            return True
+        logger.warning("No peer sent a usable state (attempt %d of %d)", attempt, attempts)
+        if attempt < attempts:
+            time.sleep(min(pause * attempt, 5.0))
+    return False
+
+
+# ---------------------------------------------------------------------------------------- final barrier
+
+
+def _fresh_progress(dht: hivemind.DHT, run_id: str, stale_after: float) -> Dict[bytes, Tuple[int, bool]]:
+    """peer_id -> (epoch, client_mode) of peers whose training progress was reported recently."""
+    now = get_dht_time()
+    return {record.peer_id: (record.epoch, record.client_mode) for record in read_progress(dht, run_id)
+            if now - record.time <= stale_after}
+
+
+def _final_priority(epoch: int, arrival: float) -> float:
+    """State-sharing priority of a peer at the final barrier: above any training priority (= epoch), and
+    higher for earlier arrival (a peer that finished late may have missed the last all-reduce)."""
+    return epoch + 0.5 + 0.4 * (1.0 - (arrival % 1e5) / 1e5)
+
+
+def final_barrier(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, epoch: int,
+                  collab: CollaborationArguments, stop: Optional[threading.Event] = None) -> bool:
+    """At max_epochs: wait for the peers still training, then all take the parameters of one elected peer.
+
+    A peer that finished its last epoch a moment after the others missed their last all-reduce and
+    stepped with its own gradients; normally the next epoch's averaging would fix that, but there is no
+    next epoch. The elected peer is the earliest to arrive: it gets the highest state-sharing priority,
+    which is also whom hivemind's load_state_from_peers downloads from first. Returns True if this peer
+    ends with the elected peer's parameters (or is that peer). Setting ``stop`` ends the wait early.
+    """
+    if collab.final_sync_timeout <= 0:
+        return True
+    stop = stop if stop is not None else threading.Event()
+    deadline = time.monotonic() + collab.final_sync_timeout
+    stale_after = max(15.0, 3 * collab.averaging_timeout)
+    own_id = dht.peer_id.to_bytes()
+    final_floor = epoch + 0.5
+    if not optimizer.client_mode:
+        optimizer.state_averager.state_sharing_priority = _final_priority(epoch, get_dht_time())
+
+    def keep_reporting():  # the others must see that this peer is still here, waiting
+        optimizer.tracker.report_local_progress(optimizer.local_epoch, samples_accumulated=0)
+
+    def out_of_time() -> bool:
+        return time.monotonic() > deadline or stop.is_set()
+
+    def others_now():
+        progress = {p: v for p, v in _fresh_progress(dht, run_id, stale_after).items() if p != own_id}
+        priorities = {p: v for p, v in read_state_sharing(dht, run_id).items() if p != own_id}
+        return progress, priorities
+
+    # 1. everyone still training gets to the last epoch: training peers report progress after every step,
+    # and (unless in client mode) declare their epoch as state-sharing priority; a peer that just reloaded
+    # the state may be missing from one of the two for a moment, so both are watched
+    while True:
+        progress, priorities = others_now()
+        if (all(e >= epoch for e, _ in progress.values()) and all(v >= epoch for v in priorities.values())) \
+                or out_of_time():
+            break
+        keep_reporting()
+        time.sleep(0.5)
+    # 2. every state-sharing peer at the barrier has declared its final priority
+    while True:
+        progress, priorities = others_now()
+        if all(v >= final_floor for v in priorities.values()) or out_of_time():
+            break
+        keep_reporting()
+        time.sleep(0.5)
+    candidates = {p: v for p, v in priorities.items() if v >= final_floor}
+    if not optimizer.client_mode:
+        candidates[own_id] = optimizer.state_averager.state_sharing_priority
+    if not candidates:
+        logger.warning("Final barrier: no peer could be elected; keeping this peer's parameters")
+        return False
+    if max(candidates, key=candidates.get) == own_id:
+        logger.info("Final barrier: elected; %d other peer(s) take these parameters", len(candidates) - 1)
+        while not out_of_time():  # 3a. serve the state until every other peer has it
+            progress, priorities = others_now()
+            followers_done = all(v == final_floor for v in priorities.values() if v >= epoch)
+            clients_done = not any(client for _, client in progress.values())
+            if followers_done and clients_done:
+                return True
+            keep_reporting()
+            time.sleep(0.5)
+        logger.warning("Final barrier: some peers did not take the final parameters within final_sync_timeout")
+        return True
+    while not out_of_time():  # 3b. take the elected peer's parameters
+        if optimizer.load_state_checked() and optimizer.local_epoch == epoch:
+            if not optimizer.client_mode:  # tells the elected peer that this one is done
+                optimizer.state_averager.state_sharing_priority = final_floor
+            logger.info("Final barrier: took the final parameters of the elected peer")
+            return True
+        keep_reporting()
+        time.sleep(0.5)
+    logger.warning("Final barrier: could not load the final state within final_sync_timeout")
+    return False
+
+
+# ----------------------------------------------------------------------------------------- re-syncing
+
+
+def swarm_epoch(dht: hivemind.DHT, run_id: str, timeout: float = 10.0) -> Optional[int]:
+    """The largest epoch a (non-client) peer reports now, read fresh from the DHT (None if nobody reports)."""
+    epochs = [record.epoch for record in read_progress(dht, run_id, timeout=timeout) if not record.client_mode]
+    return max(epochs) if epochs else None
+
+
+def resync_with_swarm(optimizer: LeanHiveOptimizer, attempts: int = 3, epoch_timeout: float = 60.0) -> bool:
+    """After an isolation: take the swarm's state at the start of one of its epochs; True once in sync.
+
+    A state downloaded in the middle of an epoch is stale by the time this peer can join an averaging
+    round (the round's group formed before), and hivemind lets a peer one epoch behind train on with
+    stale parameters for good. So this waits until the swarm moves to its next epoch, then downloads.
+    """
+    for _ in range(attempts):
+        epoch = _read_swarm_epoch(optimizer)
+        if epoch is None or optimizer.local_epoch >= epoch:
+            return epoch is not None
+        logger.info("Re-joined at epoch %d while the swarm is at %d: downloading its state when it starts its "
+                    "next epoch", optimizer.local_epoch, epoch)
+        deadline = time.monotonic() + epoch_timeout
+        while time.monotonic() < deadline and (_read_swarm_epoch(optimizer) or 0) <= epoch:
+            time.sleep(0.25)
+        if optimizer.load_state_checked():
+            events.emit("state_loaded", epoch=optimizer.local_epoch, source="swarm", reason="resync", path=None)
+    return False
+
+
+def _read_swarm_epoch(optimizer: LeanHiveOptimizer) -> Optional[int]:
+    try:
+        return swarm_epoch(optimizer.dht, optimizer.run_id)
+    except Exception as e:
+        logger.warning("Could not read the swarm's progress: %r", e)
+        return None

@@ -1,0 +1,138 @@
+"""The lifecycle every peer's entry point shares: logging set up once, signals, start/run/shutdown, exit.
+
+``run_peer`` starts a peer (trainer or aux), runs it until it is done or signalled, always shuts it down, and ends
+the process with the right exit status. Entry points: parse, ``configure_logging()``, ``process_guard.install()``,
+then ``run_peer``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import warnings
+from typing import Optional, Protocol, Tuple, Type
+
+from peer.swarm import events
+from peer.swarm.errors import NetworkSetupError
+
+logger = logging.getLogger(__name__)
+
+LOG_LEVEL_ENV = "LEANHIVE_LOG_LEVEL"
+
+
+def configure_logging() -> None:
+    """Once per process: our format and level (LEANHIVE_LOG_LEVEL, default INFO) for us and hivemind."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s [%(name)s] %(message)s", force=True)
+    use_hivemind_log_handler("in_root_logger")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # hivemind replays the LR schedule on joining, before any optimizer step: expected, not a mistake
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+
+
+class Peer(Protocol):
+    """What run_peer needs of a trainer or aux peer."""
+    stop_requested: threading.Event
+    running: bool  # False until start() has finished joining
+
+    def start(self) -> None: ...
+    def run(self) -> None: ...
+    def request_stop(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+STOP_GRACE_SECONDS = 20.0  # after a stop signal, the current step may take this long; shutdown gets the rest of 30 s
+STOP_RETRY_SECONDS = 5.0  # an interrupt that was swallowed is raised again this much later
+
+
+class _SignalHandler:
+    """First SIGINT/SIGTERM: finish the current step, then leave. A second one, a signal while still joining, or
+    a step still running STOP_GRACE_SECONDS later (e.g. an all-reduce waiting out averaging_timeout) stop at once
+    (KeyboardInterrupt in the main thread); shutdown still writes the backup."""
+
+    def __init__(self, peer: Peer):
+        self.peer = peer
+        self.shutting_down = False
+        self._deadline: Optional[threading.Timer] = None
+        signal.signal(signal.SIGINT, self)
+        signal.signal(signal.SIGTERM, self)
+
+    def __call__(self, signum, _frame):
+        if self.shutting_down:
+            logger.info("Received %s: already shutting down", signal.Signals(signum).name)
+            return
+        stop_now = self.peer.stop_requested.is_set() or not self.peer.running  # a second signal, or still joining
+        self.peer.request_stop()
+        if stop_now:
+            # The request above is made before raising: a KeyboardInterrupt that lands in an at-fork hook or a
+            # __del__ (hivemind forks while joining) is printed as "Exception ignored" and lost. The run loop then
+            # still sees the request, and the re-armed deadline raises again if the main thread is stuck elsewhere.
+            self._arm_deadline(signum, STOP_RETRY_SECONDS, "The stop signal has not taken effect yet: raising it again")
+            raise KeyboardInterrupt
+        logger.info("Received %s: finishing the current step, then leaving the swarm (a second signal stops "
+                    "at once)", signal.Signals(signum).name)
+        self._arm_deadline(signum, STOP_GRACE_SECONDS, f"The current step is still running {STOP_GRACE_SECONDS:.0f} s "
+                                                       "after the stop signal: interrupting it")
+
+    def _arm_deadline(self, signum: int, seconds: float, message: str) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = threading.Timer(seconds, self._overran, args=(signum, message))
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _overran(self, signum: int, message: str) -> None:
+        if not self.shutting_down:
+            logger.warning("%s", message)
+            # aimed at the main thread so that a wait it is blocked in is interrupted; runs the stop-now branch
+            signal.pthread_kill(threading.main_thread().ident, signum)
+
+    def begin_shutdown(self) -> None:
+        self.shutting_down = True
+        if self._deadline is not None:
+            self._deadline.cancel()
+
+
+def run_peer(peer: Peer, *, setup_errors: Tuple[Type[BaseException], ...] = (NetworkSetupError,),
+             events_file: Optional[str] = None) -> int:
+    """Start, run until done or signalled, always shut down, then end the process (exit 1 on a setup error).
+
+    ``events_file``: where the peer's lifecycle events go (peer.swarm.events), if anywhere."""
+    events.open_events(events_file)
+    signals = _SignalHandler(peer)
+    code = 0
+    try:
+        peer.start()
+        peer.run()
+    except setup_errors as e:
+        logger.error("%s", e)
+        code = 1
+    except KeyboardInterrupt:
+        logger.warning("Interrupted: leaving without finishing the current step")
+    finally:
+        signals.begin_shutdown()
+        peer.shutdown()
+    events.emit("exiting", code=code)
+    events.close_events()
+    return exit_despite_stray_threads(code)
+
+
+def exit_despite_stray_threads(code: int) -> int:
+    """End the process with ``code`` once our own shutdown has run (backup written, DHT and averagers stopped).
+
+    A signal that interrupts hivemind.Optimizer's constructor while joining leaves parts it already started
+    (its ProgressTracker thread, an averager process) without an owner, and the interpreter's exit would wait
+    for them forever (multiprocessing joins its children at exit). So the CLI exits explicitly; hivemind's
+    child processes die with us (process_guard).
+    """
+    stray = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    if stray:
+        logger.debug("Exiting with threads still running: %s", ", ".join(stray))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

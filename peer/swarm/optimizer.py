@@ -1,0 +1,138 @@
+"""Building the collaborative optimizer: parameter groups, LR schedule, 8-bit LAMB, compression, averagers.
+
+Trainers and auxiliary peers build it with the same factory, so their states can be exchanged.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+from typing import List, Optional, Type
+
+import hivemind
+import torch
+from hivemind.compression import (
+    BlockwiseQuantization,
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    SizeAdaptiveCompression,
+)
+from hivemind.utils.crypto import RSAPrivateKey
+
+from peer.swarm.config import CollaborationArguments, OptimizerArguments
+from peer.swarm.hivemind_seam import AveragingPolicy, LeanHiveGradientAverager, LeanHiveOptimizer, authorized_peer_ids
+from peer.swarm.lamb import CPULamb8Bit
+
+logger = logging.getLogger(__name__)
+
+_NO_DECAY_MARKERS = ("bias", "norm", "ln_")
+
+
+# ---------------------------------------------------------------------------------------------- groups
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
+    """Two groups: matrices decay, biases and normalization weights (any 1-d tensor) do not."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        lowered = name.lower()
+        if param.ndim <= 1 or any(marker in lowered for marker in _NO_DECAY_MARKERS):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    return [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+
+
+# --------------------------------------------------------------------------------------- lr schedule
+
+
+def learning_rate_at(step: int, args: OptimizerArguments) -> float:
+    """Absolute learning rate at a global step: linear warmup, then decay to min_learning_rate."""
+    if args.warmup_steps and step < args.warmup_steps:
+        return args.learning_rate * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return args.learning_rate
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps))
+    if args.lr_schedule == "linear":
+        decay = 1.0 - progress
+    else:
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return args.min_learning_rate + (args.learning_rate - args.min_learning_rate) * decay
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, args: OptimizerArguments):
+    """hivemind steps the scheduler once per global epoch, so steps here are global steps."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_at(step, args) / args.learning_rate)
+
+
+def make_lamb(param_groups: List[dict], args: OptimizerArguments) -> CPULamb8Bit:
+    return CPULamb8Bit(param_groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                       eps=args.adam_epsilon, weight_decay=args.weight_decay, clamp_value=args.clamp_value,
+                       bias_correction=args.bias_correction, max_grad_norm=args.max_grad_norm or None,
+                       min_8bit_size=args.min_8bit_size)
+
+
+# --------------------------------------------------------------------------------------- compression
+
+
+def make_compression(args: CollaborationArguments) -> CompressionBase:
+    """fp16 for small tensors (biases, norms), 8-bit blockwise for large ones, as in hivemind's ALBERT example."""
+    if args.compression == "none":
+        return NoCompression()
+    if args.compression == "fp16":
+        return Float16Compression()
+    return SizeAdaptiveCompression(threshold=args.compression_threshold, less=Float16Compression(),
+                                   greater_equal=BlockwiseQuantization())
+
+
+# ------------------------------------------------------------------------------------------ factory
+
+
+def build_optimizer(*, model: torch.nn.Module, dht: hivemind.DHT, run_id: str, signing_key: RSAPrivateKey,
+                    batch_size_per_step: Optional[int], collab: CollaborationArguments, optim: OptimizerArguments,
+                    client_mode: bool, reuse_grad_buffers: bool = False, auxiliary: bool = False,
+                    grad_averager_class: Type[LeanHiveGradientAverager] = LeanHiveGradientAverager,
+                    ) -> LeanHiveOptimizer:
+    """The collaborative optimizer: 8-bit LAMB offloaded to the CPU, averaged across the swarm.
+
+    Auxiliary peers (aux_monitor) pass ``auxiliary=True`` and ``batch_size_per_step=None``: they build the
+    same parameter groups and optimizer state (so states can be exchanged) but never accumulate gradients.
+    """
+    compression = make_compression(collab)
+    allreduce_timeout = collab.allreduce_timeout or collab.averaging_timeout
+    policy = AveragingPolicy(authorized_peers=authorized_peer_ids(dht), contribution_clip=collab.contribution_clip)
+    # averager_opts reach only the state averager; the gradient averager gets the same through its factory
+    averager_opts = dict(request_timeout=collab.request_timeout)
+    grad_averager_factory = partial(grad_averager_class, policy=policy, **averager_opts)
+    return LeanHiveOptimizer(
+        policy=policy,
+        dht=dht,
+        run_id=run_id,
+        target_batch_size=collab.target_batch_size,
+        batch_size_per_step=batch_size_per_step,
+        params=parameter_groups(model, optim.weight_decay),
+        optimizer=partial(make_lamb, args=optim),
+        scheduler=partial(make_scheduler, args=optim),
+        matchmaking_time=collab.matchmaking_time,
+        averaging_timeout=collab.averaging_timeout,
+        allreduce_timeout=allreduce_timeout,
+        load_state_timeout=collab.load_state_timeout,
+        offload_optimizer=True,
+        reuse_grad_buffers=reuse_grad_buffers,
+        delay_optimizer_step=collab.delay_optimizer_step,
+        delay_grad_averaging=collab.delay_grad_averaging,
+        average_state_every=collab.average_state_every,
+        client_mode=client_mode,
+        auxiliary=auxiliary,
+        grad_compression=compression,
+        grad_averager_factory=grad_averager_factory,
+        state_averaging_compression=compression,
+        load_state_compression=NoCompression(),  # joiners get exact parameters and 8-bit codes
+        averager_opts=averager_opts,
+        # the progress tracker must sign with the same key as the DHT's signature validator
+        tracker_opts=dict(private_key=signing_key, min_refresh_period=0.5, default_refresh_period=1.0),
+        verbose=collab.verbose,
+    )

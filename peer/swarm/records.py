@@ -1,0 +1,130 @@
+"""The swarm's DHT records: every key the swarm uses, the validators every peer installs, the metrics schema,
+and one reader for the records hivemind writes (training progress, state-sharing declarations).
+
+The keys themselves are derived in ``peer.swarm.keys``. Metrics records have the peer's public key as subkey, so
+only the owner can write its entry (RSASignatureValidator), and the value must match ``LocalMetrics``
+(SchemaValidator). Progress and state-sharing records are written by hivemind and read here.
+
+hivemind 1.1.12's SchemaValidator needs pydantic.v1-style models with strict number types.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import hivemind
+import pydantic.v1 as pydantic
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from peer.swarm.hivemind_seam import RecordSizeValidator
+from peer.swarm.keys import metrics_key, progress_key, state_sharing_key
+
+__all__ = ["LocalMetrics", "MetricsSchema", "PeerProgress", "fetch_metrics", "make_validators", "metrics_key",
+           "progress_key", "publish_metrics", "read_progress", "read_state_sharing", "state_sharing_key"]
+
+logger = logging.getLogger(__name__)
+
+METRICS_EXPIRATION = 600.0  # seconds a peer's record stays visible after its last update
+
+
+class LocalMetrics(pydantic.BaseModel):
+    """What one trainer reports about one global epoch it took part in."""
+
+    epoch: pydantic.conint(ge=0, strict=True)  # global epoch these numbers belong to
+    samples_per_second: pydantic.confloat(ge=0.0, le=1e9, strict=True)
+    samples_accumulated: pydantic.conint(ge=0, strict=True)  # samples this peer contributed in the epoch
+    loss: pydantic.confloat(ge=0.0, le=1e6, strict=True)  # sum of micro-step losses in the epoch
+    mini_steps: pydantic.conint(ge=0, strict=True)  # number of micro-steps summed into loss
+    samples_total: pydantic.conint(ge=0, strict=True) = 0  # all samples this peer contributed so far
+    time: pydantic.confloat(ge=0.0, strict=True) = 0.0  # DHT time of the report
+
+    @pydantic.validator("samples_per_second", "loss", "time")
+    def _finite(cls, value):
+        if not math.isfinite(value):
+            raise ValueError("must be finite")
+        return value
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class MetricsSchema(pydantic.BaseModel):
+    metrics: Dict[BytesWithPublicKey, LocalMetrics]
+
+
+def make_validators(run_id: str, private_key: RSAPrivateKey,
+                    extra: Sequence[RecordValidatorBase] = ()) -> tuple[list, bytes]:
+    """Validators every peer of the run installs: record size limit, signature check, schema of the metrics key.
+
+    Returns (validators, local_public_key); the public key is the subkey this peer signs records with.
+    """
+    signature_validator = RSASignatureValidator(private_key)
+    validators = [RecordSizeValidator(), SchemaValidator(MetricsSchema, prefix=run_id), signature_validator, *extra]
+    return validators, signature_validator.local_public_key
+
+
+def publish_metrics(dht: hivemind.DHT, run_id: str, public_key: bytes, metrics: LocalMetrics,
+                    expiration: float = METRICS_EXPIRATION):
+    """Store this peer's metrics without blocking the training loop; returns a future."""
+    return dht.store(key=metrics_key(run_id), subkey=public_key, value=metrics.dict(),
+                     expiration_time=get_dht_time() + expiration, return_future=True)
+
+
+def fetch_metrics(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = None) -> Dict[bytes, LocalMetrics]:
+    """All peers' latest metrics; entries that do not parse are skipped with a log line."""
+    result = dht.get(metrics_key(run_id), latest=True, return_future=timeout is not None)
+    if timeout is not None:
+        result = result.result(timeout=timeout)
+    if result is None or not isinstance(result.value, dict):
+        return {}
+    metrics = {}
+    for subkey, entry in result.value.items():
+        try:
+            metrics[subkey] = LocalMetrics.parse_obj(entry.value)
+        except (pydantic.ValidationError, TypeError) as e:
+            logger.warning("Ignoring a malformed metrics record: %s", e)
+    return metrics
+
+
+# --------------------------------------------------------------------------- records hivemind writes
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """One peer's training progress record (written by hivemind's ProgressTracker)."""
+
+    peer_id: bytes
+    epoch: int
+    client_mode: bool
+    time: float  # DHT time of the report
+
+
+def _latest(dht: hivemind.DHT, key: str, timeout: Optional[float]) -> dict:
+    found = dht.get(key, latest=True, return_future=timeout is not None)
+    if timeout is not None:
+        found = found.result(timeout)
+    return found.value if found is not None and isinstance(found.value, dict) else {}
+
+
+def read_progress(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = None) -> List[PeerProgress]:
+    """Every well-formed progress record of the run (malformed entries are skipped)."""
+    records = []
+    for entry in _latest(dht, progress_key(run_id), timeout).values():
+        value = entry.value
+        if not isinstance(value, dict):
+            continue
+        peer_id, epoch, client, when = (value.get(name) for name in ("peer_id", "epoch", "client_mode", "time"))
+        if isinstance(peer_id, bytes) and isinstance(epoch, int) and isinstance(when, (int, float)):
+            records.append(PeerProgress(peer_id, epoch, bool(client), float(when)))
+    return records
+
+
+def read_state_sharing(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = None) -> Dict[bytes, float]:
+    """peer ID bytes -> state-sharing priority of every peer that currently offers its state."""
+    return {peer_id: float(entry.value) for peer_id, entry in _latest(dht, state_sharing_key(run_id), timeout).items()
+            if isinstance(entry.value, (int, float))}

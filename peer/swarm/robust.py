@@ -1,0 +1,93 @@
+"""Robust averaging: a bound on every peer's contribution, enforced by the peer that receives it.
+
+hivemind averages with a butterfly all-reduce: each peer reduces one shard of the vector and receives
+every other peer's part of that shard. Plain averaging lets one broken or hostile peer decide the
+result: a NaN/inf part makes the whole shard NaN for everyone, a part 1e6x too large dominates it.
+Here the reducer keeps every sender's part and aggregates them with a centered clip:
+
+- parts with NaN/inf values are dropped;
+- center = coordinate-wise median of the remaining parts;
+- each part's deviation from the center is clipped to ``clip_factor`` x the median deviation norm (norms
+  compared after scaling by sqrt(sample weight): a part averaged over more samples deviates less by chance);
+- result = center + weighted mean of the clipped deviations.
+
+When nothing is clipped this is exactly the weighted mean, so honest swarms average as before.
+A contribution can move the result by at most ``clip_factor`` x median deviation / group size.
+
+Threat model (honest about the limits): the bound holds while fewer than half of the peers in a round
+are faulty (with two peers, one of which is faulty, no rule can tell which one is right); a hostile
+peer that reduces a shard can still return wrong finite values for that shard (1/n of the vector),
+only non-finite results are refused on receipt (the local values are kept); sample-count weights are
+trusted.
+
+The hivemind side (the reducer that keeps every part, the all-reduce runner) is in peer.swarm.hivemind_seam.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CLIP_FACTOR = 4.0
+
+
+def _median(stacked: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise median along dim 0; the mean of the two middle values for an even count."""
+    ordered = stacked.sort(dim=0).values
+    count = ordered.shape[0]
+    return (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
+
+
+def bounded_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], clip_factor: float) -> torch.Tensor:
+    """Weighted mean of ``parts`` with NaN/inf parts dropped and each part's deviation from the median bounded.
+
+    ``clip_factor`` <= 0 gives the plain weighted mean (no bound, non-finite parts still dropped).
+    All parts non-finite: the plain mean (NaN), which receivers refuse (they keep their local values).
+    """
+    finite = [(part, weight) for part, weight in zip(parts, weights) if bool(torch.isfinite(part).all())]
+    if len(finite) < len(parts):
+        logger.warning("Averaging: dropped %d of %d contributions with NaN/inf values", len(parts) - len(finite),
+                       len(parts))
+    if not finite:
+        return sum(p * w for p, w in zip(parts, weights)) / max(sum(weights), 1e-12)
+    # zero-weight parts (a peer that just loaded the state tags along with weight 0) add nothing to the mean;
+    # left in, they would drag the median towards their stale values and get honest parts clipped
+    kept = [(part, weight) for part, weight in finite if weight > 0] or finite
+    stacked = torch.stack([part for part, _ in kept])
+    weight = torch.tensor([w for _, w in kept], dtype=stacked.dtype)
+    total = float(weight.sum())
+    if clip_factor <= 0 or len(kept) == 1:
+        return (stacked * weight.view(-1, *[1] * (stacked.ndim - 1))).sum(0) / total if total > 0 else stacked[0]
+    center = _median(stacked)
+    deviations = stacked - center
+    # a peer that averaged more samples deviates less by chance: compare norms scaled by sqrt(weight)
+    noise_scale = (weight / _median(weight.view(-1, 1))[0]).clamp_min(1e-12).sqrt()
+    norms = deviations.flatten(1).norm(dim=1) * noise_scale
+    # upper median: an honest peer's; never below float32 rounding noise of the center (identical parts)
+    noise_floor = 1e-6 * float(center.norm())
+    bound = max(clip_factor * float(norms.sort().values[len(kept) // 2]), noise_floor)
+    scale = torch.where(norms > bound, bound / norms.clamp_min(1e-30), torch.ones_like(norms))
+    clipped = int((norms > bound).sum())
+    if clipped:
+        severe = float(norms.max()) > 10 * bound
+        logger.log(logging.WARNING if severe else logging.INFO,
+                   "Averaging: bounded %d of %d contributions (deviation up to %.3g, bound %.3g)",
+                   clipped, len(kept), float(norms.max()), bound)
+    if total <= 0:
+        return center
+    factors = (scale * weight / total).view(-1, *[1] * (stacked.ndim - 1))
+    return center + (deviations * factors).sum(0)
+
+
+def keep_local_where_not_finite(update: torch.Tensor) -> int:
+    """``update`` is (average - local value): a NaN/inf there would poison our tensor, so use 0 (keep ours).
+
+    Returns how many values were refused."""
+    bad = ~torch.isfinite(update)
+    count = int(bad.sum())
+    if count:
+        update.masked_fill_(bad, 0.0)
+    return count

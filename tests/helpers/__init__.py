@@ -1,1 +1,0 @@
-"""Shared test utilities (peers as subprocesses)."""

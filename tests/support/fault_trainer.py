@@ -1,0 +1,58 @@
+"""The trainer with test fault hooks: ``run_trainer.py`` plus the env-driven faults of
+``tests.support.faults.injection`` (NaN gradients/parameters, scaled or non-finite gradients on the wire, death in
+the middle of an all-reduce, per-epoch parameter dumps).
+
+Tests start it instead of ``run_trainer.py`` (``tests.support.trainers.start_trainer`` does so whenever the
+environment it is given holds a fault variable), from the repository root::
+
+    python -m tests.support.fault_trainer --config tiny ...   # same flags as run_trainer.py
+
+Production code has no fault hooks; this file only overrides the trainer's extension points.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import peer.cli
+from peer.swarm.hivemind_seam import LeanHiveGradientAverager
+from peer.trainer import TrainerPeer
+from tests.support.faults import injection
+
+
+class FaultyGradientAverager(LeanHiveGradientAverager):
+    """What this peer sends for averaging may be scaled or non-finite; it may SIGKILL itself mid all-reduce."""
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        super().load_accumulators_into_averager_()
+        injection.corrupt_sent_gradients(self)
+
+    def _on_averaged_tensor(self, received: int) -> None:
+        super()._on_averaged_tensor(received)
+        injection.maybe_die_in_allreduce(self, received)
+
+
+# hivemind names an averager's RPC handlers after its class ("<prefix>::<class name>.rpc_join_group", ...): with
+# the production name a faulty peer averages with peers started from run_trainer.py, as it did when the fault
+# hooks lived in the production class.
+FaultyGradientAverager.__name__ = LeanHiveGradientAverager.__name__
+
+
+class FaultyTrainerPeer(TrainerPeer):
+    grad_averager_class = FaultyGradientAverager
+
+    def _accumulate_gradients(self) -> float:
+        loss_sum = super()._accumulate_gradients()
+        injection.maybe_corrupt_gradients(self.model, self.local_step)  # before the trainer's finiteness check
+        return loss_sum
+
+    def _after_update(self, new_epoch: int) -> None:
+        injection.maybe_save_parameters(self.model, new_epoch)
+        injection.maybe_corrupt_parameters(self.model, new_epoch)
+        super()._after_update(new_epoch)  # NaN/inf check and recovery, periodic backup
+
+
+if __name__ == "__main__":
+    sys.exit(peer.cli.main(sys.argv[1:], peer_class=FaultyTrainerPeer))
