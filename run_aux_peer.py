@@ -1,4 +1,5 @@
 """Thin entry point: ``python run_aux_peer.py --help`` (same as the ``leanhive-aux`` console script)."""
+
 import sys
 
 from aux_monitor.cli import main

@@ -1,4 +1,5 @@
 """Thin entry point: ``python run_trainer.py --help`` (same as the ``leanhive-trainer`` console script)."""
+
 import sys
 
 from peer.cli import main

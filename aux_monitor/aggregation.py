@@ -5,6 +5,7 @@ numbers for the last epoch it finished. Records are merged into a per-epoch tabl
 numbers get completed as slower peers publish theirs, and into a per-peer table (the leaderboard).
 Pure bookkeeping: no DHT, no clock (the caller passes ``now``), so it is unit-tested on plain lists.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -72,8 +73,17 @@ class SwarmSnapshot:
 
     @classmethod
     def empty(cls, now: float = 0.0) -> "SwarmSnapshot":
-        return cls(time=now, global_epoch=None, alive_peers=0, loss=None, samples_per_second=0.0,
-                   samples_total=0, peers=(), epochs=(), timeline=())
+        return cls(
+            time=now,
+            global_epoch=None,
+            alive_peers=0,
+            loss=None,
+            samples_per_second=0.0,
+            samples_total=0,
+            peers=(),
+            epochs=(),
+            timeline=(),
+        )
 
 
 def summarize_epoch(epoch: int, records: Iterable[LocalMetrics]) -> EpochStats:
@@ -144,19 +154,26 @@ class MetricsAggregator:
         for name, track in self._peers.items():
             r = track.latest
             alive = now - r.time <= self.alive_window
-            peers.append(PeerStats(peer=name, epoch=r.epoch,
-                                   samples_total=track.samples_before_restarts + r.samples_total,
-                                   samples_per_second=r.samples_per_second if alive else 0.0,
-                                   loss=r.loss / r.mini_steps if r.mini_steps else None,
-                                   last_seen=r.time, alive=alive))
+            peers.append(
+                PeerStats(
+                    peer=name,
+                    epoch=r.epoch,
+                    samples_total=track.samples_before_restarts + r.samples_total,
+                    samples_per_second=r.samples_per_second if alive else 0.0,
+                    loss=r.loss / r.mini_steps if r.mini_steps else None,
+                    last_seen=r.time,
+                    alive=alive,
+                )
+            )
         peers.sort(key=lambda p: (-p.samples_total, p.peer))
         epochs = tuple(summarize_epoch(e, table.values()) for e, table in self._by_epoch.items())
         with_steps = [e for e in epochs if not math.isnan(e.loss)]
         global_epoch = max(self._by_epoch) if self._by_epoch else None
         alive_peers = sum(p.alive for p in peers)
         throughput = sum(p.samples_per_second for p in peers)
-        self._timeline.append(TimePoint(time=now, alive_peers=alive_peers, samples_per_second=throughput,
-                                        global_epoch=global_epoch))
+        self._timeline.append(
+            TimePoint(time=now, alive_peers=alive_peers, samples_per_second=throughput, global_epoch=global_epoch)
+        )
         while len(self._timeline) > self.max_timeline:
             self._timeline.popleft()
         return SwarmSnapshot(

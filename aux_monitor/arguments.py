@@ -1,4 +1,5 @@
 """The aux peer's own settings (network, collaboration and optimizer settings are the trainers' dataclasses)."""
+
 from __future__ import annotations
 
 import re
@@ -48,12 +49,16 @@ class AuxArguments:
     def __post_init__(self):
         require(bool(self.model_config), "model_config must name a preset (e.g. tiny) or a JSON file")
         positive(self, "refresh_period", "alive_window", "assist_refresh", unit="number of seconds")
-        require(isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
-                f"metrics_port must be a TCP port (0-65535; 0 picks a free one), got {self.metrics_port!r}")
+        require(
+            isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
+            f"metrics_port must be a TCP port (0-65535; 0 picks a free one), got {self.metrics_port!r}",
+        )
         require(bool(self.checkpoint_dir), "checkpoint_dir must be a folder path")
         integer_at_least(self, 0, "checkpoint_every", "eval_every", note="(0 disables it)")
         integer_at_least(self, 1, "keep_checkpoints", "eval_batch_size", "eval_max_batches")
         if self.upload_to_hub is not None:
-            require(bool(_HUB_REPO.match(self.upload_to_hub)),
-                    f"upload_to_hub must be a Hub repo id like my-org/leanhive-gpt, got {self.upload_to_hub!r}")
+            require(
+                bool(_HUB_REPO.match(self.upload_to_hub)),
+                f"upload_to_hub must be a Hub repo id like my-org/leanhive-gpt, got {self.upload_to_hub!r}",
+            )
             require(self.checkpoint_every > 0, "upload_to_hub uploads checkpoints: set --checkpoint_every > 0")

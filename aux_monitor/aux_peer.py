@@ -4,6 +4,7 @@ Explicit lifecycle: ``AuxPeer(config)`` only stores settings; ``start()`` joins 
 HTTP server; ``run()`` blocks until ``request_stop()``; ``shutdown()`` releases everything and is safe
 after a failed ``start()``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,8 +51,11 @@ def build_swarm_model(model_config: str) -> LeanGPTForCausalLM:
     """The model the trainers train, on the CPU; its initial values are replaced by the swarm's state."""
     model = LeanGPTForCausalLM(load_config(model_config))
     model.train()
-    logger.info("Model %s: %.2fM parameters (CPU copy of the swarm's state)", model_config,
-                sum(p.numel() for p in model.parameters()) / 1e6)
+    logger.info(
+        "Model %s: %.2fM parameters (CPU copy of the swarm's state)",
+        model_config,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+    )
     return model
 
 
@@ -80,35 +84,64 @@ class AuxPeer:
     def start(self) -> None:
         net, aux = self.config.network, self.config.aux
         if net.client_mode:
-            raise ValueError("an aux peer cannot run in client mode: it must accept connections to serve its "
-                             "state and join averaging; drop --client_mode (or run it where its port is reachable)")
+            raise ValueError(
+                "an aux peer cannot run in client mode: it must accept connections to serve its "
+                "state and join averaging; drop --client_mode (or run it where its port is reachable)"
+            )
         model = build_swarm_model(aux.model_config)  # before joining: a bad config fails fast
         validation = build_validation_set(self.config.data, model.config.vocab_size) if aux.eval_every else None
-        checkpoints = CheckpointManager(aux.checkpoint_dir, keep=aux.keep_checkpoints,
-                                        model_class=type(model)) if (aux.checkpoint_every or aux.resume) else None
+        checkpoints = (
+            CheckpointManager(aux.checkpoint_dir, keep=aux.keep_checkpoints, model_class=type(model))
+            if (aux.checkpoint_every or aux.resume)
+            else None
+        )
 
         swarm = connect(net)
         self.dht, self.watchdog = swarm.dht, swarm.watchdog
 
         # the trainers' own factory: same run_id, parameter groups, target batch size and compression
         self.optimizer = build_optimizer(
-            model=model, dht=self.dht, run_id=net.run_id, signing_key=swarm.signing_key, batch_size_per_step=None,
-            collab=self.config.collaboration, optim=self.config.optimizer, client_mode=False, auxiliary=True)
-        replica = SwarmReplica(model=model, optimizer=self.optimizer,
-                               load_state_timeout=self.config.collaboration.load_state_timeout)
-        holder = StateHolder(MonitorState(run_id=net.run_id, initial_peers=swarm.join_line,
-                                          swarm=SwarmSnapshot.empty(get_dht_time())))
+            model=model,
+            dht=self.dht,
+            run_id=net.run_id,
+            signing_key=swarm.signing_key,
+            batch_size_per_step=None,
+            collab=self.config.collaboration,
+            optim=self.config.optimizer,
+            client_mode=False,
+            auxiliary=True,
+        )
+        replica = SwarmReplica(
+            model=model, optimizer=self.optimizer, load_state_timeout=self.config.collaboration.load_state_timeout
+        )
+        holder = StateHolder(
+            MonitorState(run_id=net.run_id, initial_peers=swarm.join_line, swarm=SwarmSnapshot.empty(get_dht_time()))
+        )
         if aux.upload_to_hub:
             self.uploader = HubUploader(aux.upload_to_hub)
-        self.monitor = AuxMonitor(dht=self.dht, run_id=net.run_id, args=aux, holder=holder, replica=replica,
-                                  checkpoints=checkpoints, uploader=self.uploader, validation=validation)
+        self.monitor = AuxMonitor(
+            dht=self.dht,
+            run_id=net.run_id,
+            args=aux,
+            holder=holder,
+            replica=replica,
+            checkpoints=checkpoints,
+            uploader=self.uploader,
+            validation=validation,
+        )
         if aux.resume:
             self.monitor.resume()
 
-        self.server = MonitorServer(MonitorApp(holder.get, refresh_seconds=aux.refresh_period),
-                                    host=aux.metrics_host, port=aux.metrics_port).start()
-        logger.info("Serving the dashboard on http://%s:%d/ and Prometheus metrics on http://%s:%d/metrics",
-                    aux.metrics_host, self.server.port, aux.metrics_host, self.server.port)
+        self.server = MonitorServer(
+            MonitorApp(holder.get, refresh_seconds=aux.refresh_period), host=aux.metrics_host, port=aux.metrics_port
+        ).start()
+        logger.info(
+            "Serving the dashboard on http://%s:%d/ and Prometheus metrics on http://%s:%d/metrics",
+            aux.metrics_host,
+            self.server.port,
+            aux.metrics_host,
+            self.server.port,
+        )
         events.emit("serving", port=self.server.port, epoch=self.monitor.replica.held_epoch)
         self.running = True
 
@@ -117,8 +150,9 @@ class AuxPeer:
 
     def run(self) -> None:
         if self.config.aux.assist_in_averaging:
-            thread = threading.Thread(target=self.monitor.run_assist, args=(self.stop_requested,),
-                                      name="assist-averaging", daemon=True)
+            thread = threading.Thread(
+                target=self.monitor.run_assist, args=(self.stop_requested,), name="assist-averaging", daemon=True
+            )
             thread.start()
             self._threads.append(thread)
             logger.info("Assisting the trainers' averaging rounds")

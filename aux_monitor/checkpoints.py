@@ -8,6 +8,7 @@ write never leaves something that looks like a checkpoint. Rotation deletes only
 verify and are older than the ``keep`` newest verified ones: a damaged checkpoint is reported and
 left in place for a human to inspect, never deleted and never overwritten.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -60,8 +61,7 @@ class LoadedCheckpoint:
     state: TrainingState
 
     def info(self) -> CheckpointInfo:
-        return CheckpointInfo(epoch=self.state.epoch, time=self.state.time, path=str(self.path),
-                              loss=self.state.loss)
+        return CheckpointInfo(epoch=self.state.epoch, time=self.state.time, path=str(self.path), loss=self.state.loss)
 
 
 def _sha256(path: Path) -> str:
@@ -187,16 +187,25 @@ class CheckpointManager:
         try:
             optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
             scheduler_file = path / SCHEDULER_FILE
-            scheduler_state = (torch.load(scheduler_file, map_location="cpu", weights_only=True)
-                               if scheduler_file.exists() else None)
+            scheduler_state = (
+                torch.load(scheduler_file, map_location="cpu", weights_only=True) if scheduler_file.exists() else None
+            )
         except Exception as e:
             raise CheckpointError(f"the optimizer/scheduler state in {path} does not load: {e}") from e
         epoch, loss, taken = manifest.get("epoch"), manifest.get("loss"), manifest.get("time")
         if not isinstance(epoch, int) or epoch < 0 or not isinstance(taken, (int, float)):
             raise CheckpointError(f"{path / MANIFEST} has no valid epoch/time")
-        return LoadedCheckpoint(path=path, state=TrainingState(
-            model=model, optimizer_state=optimizer_state, scheduler_state=scheduler_state,
-            epoch=epoch, loss=loss, time=float(taken)))
+        return LoadedCheckpoint(
+            path=path,
+            state=TrainingState(
+                model=model,
+                optimizer_state=optimizer_state,
+                scheduler_state=scheduler_state,
+                epoch=epoch,
+                loss=loss,
+                time=float(taken),
+            ),
+        )
 
     def load_newest_valid(self) -> Optional[LoadedCheckpoint]:
         """The newest checkpoint that loads; damaged ones are logged and skipped (never deleted)."""
@@ -205,8 +214,12 @@ class CheckpointManager:
                 loaded = self.load(path)
             except CheckpointError as e:
                 self._verified[path.name] = False
-                logger.error("Checkpoint %s is corrupt and will not be used (%s); trying an older one. "
-                             "It is left in place for inspection.", path, e)
+                logger.error(
+                    "Checkpoint %s is corrupt and will not be used (%s); trying an older one. "
+                    "It is left in place for inspection.",
+                    path,
+                    e,
+                )
                 continue
             self._verified[path.name] = True
             return loaded

@@ -1,4 +1,5 @@
 """``leanhive-aux`` / ``python run_aux_peer.py``: parse, build, run, shut down in ``finally``."""
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,11 @@ def build_parser() -> DataclassArgumentParser:
     # preset_only: one --config gives the aux peer the trainers' settings; trainer-only keys are checked, then dropped
     return DataclassArgumentParser(
         [NetworkArguments, CollaborationArguments, OptimizerArguments, DataArguments, AuxArguments, EventArguments],
-        preset_only=[TrainingArguments], preset_dirs=[RUN_PRESETS_DIR], prog="leanhive-aux",
-        description=DESCRIPTION)
+        preset_only=[TrainingArguments],
+        preset_dirs=[RUN_PRESETS_DIR],
+        prog="leanhive-aux",
+        description=DESCRIPTION,
+    )
 
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> AuxConfig:
@@ -45,16 +49,18 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> AuxConfig:
         load_config(aux.model_config)
     except ValueError as e:
         parser.error(str(e))
-    return AuxConfig(network=network, collaboration=collaboration, optimizer=optimizer, data=data, aux=aux,
-                     events=events)
+    return AuxConfig(
+        network=network, collaboration=collaboration, optimizer=optimizer, data=data, aux=aux, events=events
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     config = parse_config(argv)
     configure_logging()
     process_guard.install()  # before any hivemind process exists
-    return run_peer(AuxPeer(config), setup_errors=(NetworkSetupError, OSError, ValueError),
-                    events_file=config.events.events_file)
+    return run_peer(
+        AuxPeer(config), setup_errors=(NetworkSetupError, OSError, ValueError), events_file=config.events.events_file
+    )
 
 
 if __name__ == "__main__":

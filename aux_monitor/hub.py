@@ -1,4 +1,5 @@
 """Upload checkpoints to the Hugging Face Hub in the background, one at a time."""
+
 from __future__ import annotations
 
 import logging
@@ -56,13 +57,20 @@ class HubUploader:
             if not self._repo_ready:
                 self._api.create_repo(self.repo_id, repo_type="model", private=self.private, exist_ok=True)
                 self._repo_ready = True
-            self._api.upload_folder(repo_id=self.repo_id, repo_type="model", folder_path=checkpoint.path,
-                                    commit_message=f"LeanHive checkpoint: epoch {checkpoint.epoch}{loss}")
+            self._api.upload_folder(
+                repo_id=self.repo_id,
+                repo_type="model",
+                folder_path=checkpoint.path,
+                commit_message=f"LeanHive checkpoint: epoch {checkpoint.epoch}{loss}",
+            )
         except Exception as e:  # the Hub being down must not take the aux peer down
-            logger.error("Uploading %s to the Hub repo %s failed (%s); it stays on disk, the next checkpoint will "
-                         "be uploaded as usual. Check HF_TOKEN / `huggingface-cli login` and the repo name.",
-                         checkpoint.path, self.repo_id, e)
+            logger.error(
+                "Uploading %s to the Hub repo %s failed (%s); it stays on disk, the next checkpoint will "
+                "be uploaded as usual. Check HF_TOKEN / `huggingface-cli login` and the repo name.",
+                checkpoint.path,
+                self.repo_id,
+                e,
+            )
             return
         self.uploaded.append(checkpoint)
-        logger.info("Uploaded the checkpoint of epoch %d to https://huggingface.co/%s", checkpoint.epoch,
-                    self.repo_id)
+        logger.info("Uploaded the checkpoint of epoch %d to https://huggingface.co/%s", checkpoint.epoch, self.repo_id)

@@ -3,6 +3,7 @@
 Every part it drives (DHT, replica, checkpoint manager, uploader, validation set) is built and shut down
 by the entry point; this class only decides what to do at each refresh.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,9 +35,18 @@ def is_due(epoch: int, last_done: Optional[int], every: int) -> bool:
 
 
 class AuxMonitor:
-    def __init__(self, *, dht: hivemind.DHT, run_id: str, args: AuxArguments, holder: StateHolder,
-                 replica: SwarmReplica, checkpoints: Optional[CheckpointManager] = None,
-                 uploader: Optional[HubUploader] = None, validation: Optional[Sequence[dict]] = None):
+    def __init__(
+        self,
+        *,
+        dht: hivemind.DHT,
+        run_id: str,
+        args: AuxArguments,
+        holder: StateHolder,
+        replica: SwarmReplica,
+        checkpoints: Optional[CheckpointManager] = None,
+        uploader: Optional[HubUploader] = None,
+        validation: Optional[Sequence[dict]] = None,
+    ):
         self.dht, self.run_id, self.args, self.holder = dht, run_id, args, holder
         self.replica, self.checkpoints, self.uploader, self.validation = replica, checkpoints, uploader, validation
         self.aggregator = MetricsAggregator(alive_window=args.alive_window)
@@ -53,15 +63,18 @@ class AuxMonitor:
         """Load the newest valid checkpoint into the replica and offer it to joining trainers."""
         loaded = self.checkpoints.load_newest_valid()
         if loaded is None:
-            logger.warning("--resume: no valid checkpoint in %s; waiting for the trainers' state instead",
-                           self.checkpoints.directory)
+            logger.warning(
+                "--resume: no valid checkpoint in %s; waiting for the trainers' state instead",
+                self.checkpoints.directory,
+            )
             return False
         self.replica.restore(loaded.state)
         self.last_checkpoint_epoch = loaded.state.epoch
         self.holder.update(checkpoint=loaded.info())
         logger.info("Resumed from %s (epoch %d)", loaded.path, loaded.state.epoch)
-        events.emit("state_loaded", epoch=loaded.state.epoch, source="checkpoint", reason="resume",
-                    path=str(loaded.path))
+        events.emit(
+            "state_loaded", epoch=loaded.state.epoch, source="checkpoint", reason="resume", path=str(loaded.path)
+        )
         return True
 
     # ------------------------------------------------------------------ one refresh
@@ -73,9 +86,14 @@ class AuxMonitor:
             # one line per new epoch at INFO; every refresh at DEBUG
             level = logging.INFO if snapshot.global_epoch != self._last_logged_epoch else logging.DEBUG
             self._last_logged_epoch = snapshot.global_epoch
-            logger.log(level, "Epoch %d: %d peers online, loss %s, %.1f samples/s", snapshot.global_epoch,
-                       snapshot.alive_peers, "n/a" if snapshot.loss is None else f"{snapshot.loss:.4f}",
-                       snapshot.samples_per_second)
+            logger.log(
+                level,
+                "Epoch %d: %d peers online, loss %s, %.1f samples/s",
+                snapshot.global_epoch,
+                snapshot.alive_peers,
+                "n/a" if snapshot.loss is None else f"{snapshot.loss:.4f}",
+                snapshot.samples_per_second,
+            )
 
         if snapshot.alive_peers > 0:
             self.trainers_online.set()
@@ -85,8 +103,9 @@ class AuxMonitor:
             self._serve_checkpoint_when_empty()
 
         epoch = max(self.replica.swarm_epoch, snapshot.global_epoch or 0)
-        want_checkpoint = self.checkpoints is not None and is_due(epoch, self.last_checkpoint_epoch,
-                                                                  self.args.checkpoint_every)
+        want_checkpoint = self.checkpoints is not None and is_due(
+            epoch, self.last_checkpoint_epoch, self.args.checkpoint_every
+        )
         want_eval = is_due(epoch, self.last_eval_epoch, self.args.eval_every)
         if not (want_checkpoint or want_eval):
             return
@@ -96,8 +115,9 @@ class AuxMonitor:
             if held is None or held < epoch or self.args.assist_in_averaging:
                 held = self.replica.download()
                 if held is None:
-                    logger.warning("No trainer sent the swarm's state (epoch %d); trying again at the next refresh",
-                                   epoch)
+                    logger.warning(
+                        "No trainer sent the swarm's state (epoch %d); trying again at the next refresh", epoch
+                    )
                     return
                 logger.info("Downloaded the swarm's state of epoch %d", held)
                 events.emit("state_loaded", epoch=held, source="swarm", reason="refresh", path=None)
@@ -120,8 +140,11 @@ class AuxMonitor:
             return
         self.replica.restore(loaded.state)
         self._serving_checkpoint = True
-        logger.info("No trainer online: offering the checkpoint of epoch %d (%s) to joining trainers",
-                    loaded.state.epoch, loaded.path)
+        logger.info(
+            "No trainer online: offering the checkpoint of epoch %d (%s) to joining trainers",
+            loaded.state.epoch,
+            loaded.path,
+        )
         events.emit("offering_checkpoint", epoch=loaded.state.epoch)
 
     def _checkpoint(self, loss: Optional[float]) -> None:
@@ -129,8 +152,12 @@ class AuxMonitor:
         try:
             info = self.checkpoints.save(state)
         except CheckpointError as e:
-            logger.error("The checkpoint of epoch %d did not verify and was not promoted (%s); "
-                         "the previous checkpoints are untouched", state.epoch, e)
+            logger.error(
+                "The checkpoint of epoch %d did not verify and was not promoted (%s); "
+                "the previous checkpoints are untouched",
+                state.epoch,
+                e,
+            )
             return
         self.last_checkpoint_epoch = state.epoch
         self.holder.update(checkpoint=info)
@@ -139,8 +166,13 @@ class AuxMonitor:
 
     def _evaluate(self) -> None:
         epoch = self.replica.held_epoch
-        result = evaluate(self.replica.model, self.validation, epoch=epoch, batch_size=self.args.eval_batch_size,
-                          max_batches=self.args.eval_max_batches)
+        result = evaluate(
+            self.replica.model,
+            self.validation,
+            epoch=epoch,
+            batch_size=self.args.eval_batch_size,
+            max_batches=self.args.eval_max_batches,
+        )
         self.last_eval_epoch = epoch
         self.holder.update(evaluation=result)
 

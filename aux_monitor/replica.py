@@ -6,6 +6,7 @@ construction. The replica never trains: it downloads the newest state from the t
 the checkpoint writer, restores a checkpoint on ``--resume``, and offers the state it holds to
 joining trainers only while that state is labelled with its true epoch.
 """
+
 from __future__ import annotations
 
 import copy
@@ -76,7 +77,10 @@ class SwarmReplica:
                 model=copy.deepcopy(self.model),
                 optimizer_state=copy.deepcopy(averager.optimizer.state_dict()),
                 scheduler_state=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
-                epoch=self.held_epoch, loss=loss, time=taken_at)
+                epoch=self.held_epoch,
+                loss=loss,
+                time=taken_at,
+            )
 
     def assist_step(self) -> None:
         """One auxiliary step: join the all-reduce round that is due, contributing bandwidth but no data."""
@@ -106,4 +110,3 @@ class SwarmReplica:
         if averager.allow_state_sharing != allowed:
             averager.allow_state_sharing = allowed
             logger.debug("Offering our state to joining peers: %s", allowed)
-

@@ -1,4 +1,5 @@
 """The aux peer's HTTP endpoint: ``/metrics`` (Prometheus), ``/`` (dashboard), ``/api/state`` (JSON)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,10 +39,12 @@ def _json_safe(value: Any) -> Any:
 def render_dashboard(state: MonitorState, refresh_seconds: float) -> str:
     # "<" is escaped so that no value can close the <script> element the JSON sits in
     initial = json.dumps(state_to_json(state)).replace("<", "\\u003c")
-    return (PAGE.replace("__INITIAL_STATE__", initial)
-            .replace("__REFRESH__", f"{refresh_seconds:g}")
-            .replace("__RUN_ID__", html.escape(state.run_id))
-            .replace("__INITIAL_PEERS__", html.escape(state.initial_peers)))
+    return (
+        PAGE.replace("__INITIAL_STATE__", initial)
+        .replace("__REFRESH__", f"{refresh_seconds:g}")
+        .replace("__RUN_ID__", html.escape(state.run_id))
+        .replace("__INITIAL_PEERS__", html.escape(state.initial_peers))
+    )
 
 
 class MonitorApp:
@@ -62,13 +65,15 @@ class MonitorApp:
         if path == "/api/state":
             body = json.dumps(state_to_json(self._get_state())).encode()
             return _respond(start_response, "200 OK", "application/json", body)
-        return _respond(start_response, "404 Not Found", "text/plain; charset=utf-8",
-                        b"not found; try /, /metrics or /api/state\n")
+        return _respond(
+            start_response, "404 Not Found", "text/plain; charset=utf-8", b"not found; try /, /metrics or /api/state\n"
+        )
 
 
 def _respond(start_response, status: str, content_type: str, body: bytes) -> Iterable[bytes]:
-    start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body))),
-                            ("Cache-Control", "no-store")])
+    start_response(
+        status, [("Content-Type", content_type), ("Content-Length", str(len(body))), ("Cache-Control", "no-store")]
+    )
     return [body]
 
 
@@ -86,11 +91,12 @@ class MonitorServer:
 
     def __init__(self, app: MonitorApp, *, host: str, port: int):
         try:
-            self._server = make_server(host, port, app, server_class=_ThreadingWSGIServer,
-                                       handler_class=_QuietHandler)
+            self._server = make_server(host, port, app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
         except OSError as e:
-            raise OSError(f"cannot serve metrics on {host}:{port} ({e.strerror}); pick a free port with "
-                          "--metrics_port (0 picks one) or stop the process using it") from None
+            raise OSError(
+                f"cannot serve metrics on {host}:{port} ({e.strerror}); pick a free port with "
+                "--metrics_port (0 picks one) or stop the process using it"
+            ) from None
         self.host, self.port = host, self._server.server_port
         self._thread: Optional[threading.Thread] = None
 

@@ -1,4 +1,5 @@
 """What the aux peer knows at a given moment; shared (read-only) by the exporter and the dashboard."""
+
 from __future__ import annotations
 
 import dataclasses

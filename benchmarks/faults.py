@@ -9,6 +9,7 @@ Run from the repository root (``tests.support`` is imported as a package from th
 Prints a markdown table: scenario, survived, epochs lost, time to recover, data lost, wall time.
 Scenarios on emulated links are listed as skipped where network namespaces are unavailable.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,16 @@ def run(only: set, folder: Path, progress) -> list:
         if scenario.needs_netns:
             netns_problem = netns_problem or netns_unavailable_reason() or ""
             if netns_problem:
-                results.append(ScenarioResult(f"{scenario.keys}.", survived=False, epochs_lost=0,
-                                              recover_seconds=None, data_lost=False, skipped=netns_problem))
+                results.append(
+                    ScenarioResult(
+                        f"{scenario.keys}.",
+                        survived=False,
+                        epochs_lost=0,
+                        recover_seconds=None,
+                        data_lost=False,
+                        skipped=netns_problem,
+                    )
+                )
                 continue
         started = time.monotonic()
         try:
@@ -61,24 +70,38 @@ def run(only: set, folder: Path, progress) -> list:
                 produced = scenario.run(folder / scenario.keys)
         except Exception as e:  # a scenario that crashes is a row that did not survive, not a lost table
             logging.exception("scenario %s crashed", scenario.keys)
-            produced = ScenarioResult(f"{scenario.keys}. crashed: {e!r}"[:120], survived=False, epochs_lost=0,
-                                      recover_seconds=None, data_lost=False, seconds=time.monotonic() - started)
+            produced = ScenarioResult(
+                f"{scenario.keys}. crashed: {e!r}"[:120],
+                survived=False,
+                epochs_lost=0,
+                recover_seconds=None,
+                data_lost=False,
+                seconds=time.monotonic() - started,
+            )
         results += produced if isinstance(produced, list) else [produced]
-        print(f"  {results[-1].scenario}: {'survived' if results[-1].survived else 'FAILED'} "
-              f"({time.monotonic() - started:.0f} s)", file=progress, flush=True)
+        print(
+            f"  {results[-1].scenario}: {'survived' if results[-1].survived else 'FAILED'} "
+            f"({time.monotonic() - started:.0f} s)",
+            file=progress,
+            flush=True,
+        )
     return results
 
 
 def table(results: list) -> str:
-    rows = ["| scenario | survived | epochs lost | time to recover | data lost | wall time |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| scenario | survived | epochs lost | time to recover | data lost | wall time |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         if r.skipped:
             rows.append(f"| {r.scenario} | skipped: {r.skipped} | | | | |")
             continue
         recover = "—" if r.recover_seconds is None else f"{r.recover_seconds:.1f} s"
-        rows.append(f"| {r.scenario} | {'yes' if r.survived else '**no**'} | {r.epochs_lost} | {recover} | "
-                    f"{'**yes**' if r.data_lost else 'none'} | {r.seconds:.0f} s |")
+        rows.append(
+            f"| {r.scenario} | {'yes' if r.survived else '**no**'} | {r.epochs_lost} | {recover} | "
+            f"{'**yes**' if r.data_lost else 'none'} | {r.seconds:.0f} s |"
+        )
     return "\n".join(rows)
 
 
@@ -87,8 +110,9 @@ def _interrupt(_signum, _frame):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.faults", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.faults", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", default="", help="comma-separated scenario letters, e.g. g,h,i (default: all)")
     parser.add_argument("--json", metavar="PATH", help="also write every result record (with details) here")
     parser.add_argument("--keep", metavar="DIR", help="keep peers' logs and files in this folder")

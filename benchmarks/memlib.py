@@ -11,6 +11,7 @@ Two counters, both independent of the allocator, so they give the same number on
 
 On CUDA, :func:`cuda_peak_bytes` adds the caching allocator's own view.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -203,8 +204,9 @@ def train_step(model: torch.nn.Module, input_ids: torch.Tensor, autocast_dtype: 
     return loss.detach().item()
 
 
-def forward_saved_bytes(model: torch.nn.Module, input_ids: torch.Tensor,
-                        autocast_dtype: torch.dtype | None = None) -> int:
+def forward_saved_bytes(
+    model: torch.nn.Module, input_ids: torch.Tensor, autocast_dtype: torch.dtype | None = None
+) -> int:
     """Bytes saved for backward by forward + loss (the graph is then dropped without backward)."""
     exclude = model_state_keys(model) | storage_keys([input_ids])
     with SavedTensorCounter(exclude) as counter, resolve_autocast(input_ids.device, autocast_dtype):
@@ -232,8 +234,9 @@ class StepMemory:
     saved_breakdown: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
 
 
-def hook_parameter_gradients(loss: torch.Tensor, params: list[torch.Tensor],
-                             mark: Callable[[torch.Tensor], None]) -> list:
+def hook_parameter_gradients(
+    loss: torch.Tensor, params: list[torch.Tensor], mark: Callable[[torch.Tensor], None]
+) -> list:
     """Call ``mark`` on every gradient headed for a parameter; returns the hook handles.
 
     Two kinds of hook: a tensor hook on each parameter sees the (summed) gradient that is added
@@ -258,14 +261,16 @@ def hook_parameter_gradients(loss: torch.Tensor, params: list[torch.Tensor],
             for index in indices:
                 if grad_inputs[index] is not None:
                     mark(grad_inputs[index])
+
         return hook
 
     handles += [node.register_hook(mark_inputs(indices)) for node, indices in feeds.items()]
     return handles
 
 
-def measured_step(model: torch.nn.Module, input_ids: torch.Tensor,
-                  autocast_dtype: torch.dtype | None = None) -> StepMemory:
+def measured_step(
+    model: torch.nn.Module, input_ids: torch.Tensor, autocast_dtype: torch.dtype | None = None
+) -> StepMemory:
     """One instrumented step (forward + loss + backward) with both counters on.
 
     Gradients are pre-allocated first so that neither they nor the parameters count, and the
@@ -286,8 +291,12 @@ def measured_step(model: torch.nn.Module, input_ids: torch.Tensor,
                 handle.remove()
         del loss
     zero_grads(model)
-    return StepMemory(saved_bytes=saved.total_bytes, activation_peak_bytes=live.activation_peak_bytes,
-                      live_peak_bytes=live.peak_bytes, saved_breakdown=saved.breakdown())
+    return StepMemory(
+        saved_bytes=saved.total_bytes,
+        activation_peak_bytes=live.activation_peak_bytes,
+        live_peak_bytes=live.peak_bytes,
+        saved_breakdown=saved.breakdown(),
+    )
 
 
 def timed_steps(step: Callable[[], object], device: torch.device, *, warmup: int, steps: int) -> list[float]:

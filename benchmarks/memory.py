@@ -7,6 +7,7 @@ Run from the repository root (so that this checkout's ``model/`` is imported):
 
 Prints a markdown table, writes a PNG chart and, with ``--json``, the rows. See benchmarks/README.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,14 +81,16 @@ class MemoryBenchConfig:
             if getattr(self, name) < minimum:
                 raise ValueError(f"--{name} must be >= {minimum}, got {getattr(self, name)}")
         if self.layers is not None and self.layers < 2:
-            raise ValueError(f"--layers must be >= 2 (per-layer figures compare full and half depth), "
-                             f"got {self.layers}")
+            raise ValueError(
+                f"--layers must be >= 2 (per-layer figures compare full and half depth), got {self.layers}"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be 'cpu' or 'cuda', got {self.device!r}")
         shallow, deep = self.depth_layers
         if not 1 <= shallow < deep:
-            raise ValueError(f"--depth-layers needs two depths SHALLOW,DEEP with 1 <= SHALLOW < DEEP, "
-                             f"got {self.depth_layers}")
+            raise ValueError(
+                f"--depth-layers needs two depths SHALLOW,DEEP with 1 <= SHALLOW < DEEP, got {self.depth_layers}"
+            )
         if self.variants is not None:
             known = {variant.name for variant in base_variants() + autocast_variants()}
             unknown = sorted(set(self.variants) - known)
@@ -137,11 +140,21 @@ def measure_variant(variant: Variant, size: BenchSize, device: torch.device, *, 
     del half
     release(device)
     per_layer = (memory.saved_bytes - saved_half) / (size.layers - size.half_layers) / size.tokens
-    return Row(variant=variant.name, layers=size.layers, tokens=size.tokens, checkpointed=variant.checkpointed,
-               autocast=variant.autocast, saved_bytes_per_layer_per_token=per_layer,
-               saved_bytes_total=memory.saved_bytes, saved_breakdown=memory.saved_breakdown,
-               activation_peak_bytes=memory.activation_peak_bytes, live_peak_bytes=memory.live_peak_bytes,
-               step_seconds=memlib.median(times), step_seconds_all=times, cuda_peak_bytes=cuda_peak)
+    return Row(
+        variant=variant.name,
+        layers=size.layers,
+        tokens=size.tokens,
+        checkpointed=variant.checkpointed,
+        autocast=variant.autocast,
+        saved_bytes_per_layer_per_token=per_layer,
+        saved_bytes_total=memory.saved_bytes,
+        saved_breakdown=memory.saved_breakdown,
+        activation_peak_bytes=memory.activation_peak_bytes,
+        live_peak_bytes=memory.live_peak_bytes,
+        step_seconds=memlib.median(times),
+        step_seconds_all=times,
+        cuda_peak_bytes=cuda_peak,
+    )
 
 
 def measure_depth_check(depths: tuple[int, int], device: torch.device) -> list[Row]:
@@ -161,11 +174,20 @@ def measure_depth_check(depths: tuple[int, int], device: torch.device) -> list[R
         model = build(variant, size, layers, device)
         memory = memlib.measured_step(model, input_ids)
         times = memlib.timed_steps(lambda: memlib.train_step(model, input_ids), device, warmup=0, steps=1)
-        rows.append(Row(variant=name, kind="depth", layers=layers, tokens=size.tokens,
-                        saved_bytes_total=memory.saved_bytes, saved_breakdown=memory.saved_breakdown,
-                        activation_peak_bytes=memory.activation_peak_bytes,
-                        live_peak_bytes=memory.live_peak_bytes, step_seconds=memlib.median(times),
-                        step_seconds_all=times))
+        rows.append(
+            Row(
+                variant=name,
+                kind="depth",
+                layers=layers,
+                tokens=size.tokens,
+                saved_bytes_total=memory.saved_bytes,
+                saved_breakdown=memory.saved_breakdown,
+                activation_peak_bytes=memory.activation_peak_bytes,
+                live_peak_bytes=memory.live_peak_bytes,
+                step_seconds=memlib.median(times),
+                step_seconds_all=times,
+            )
+        )
         model = None  # freed before the next depth is built
         release(device)
     shallow, deep = rows
@@ -187,8 +209,10 @@ def selected_variants(config: MemoryBenchConfig, device: torch.device) -> list[V
     if device.type == "cuda":
         variants += autocast_variants()
     else:
-        print("Skipped on CPU (CUDA only): the torch.cuda.max_memory_allocated column and the bf16/fp16 autocast "
-              "rows; run with --device cuda on a GPU machine to get them.")
+        print(
+            "Skipped on CPU (CUDA only): the torch.cuda.max_memory_allocated column and the bf16/fp16 autocast "
+            "rows; run with --device cuda on a GPU machine to get them."
+        )
     if config.variants is not None:
         variants = [variant for variant in variants if variant.name in config.variants]
     return variants
@@ -196,8 +220,9 @@ def selected_variants(config: MemoryBenchConfig, device: torch.device) -> list[V
 
 def header_lines(config: MemoryBenchConfig, device: torch.device) -> list[str]:
     size = config.bench_size
-    hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
-                else platform.processor() or platform.machine())
+    hardware = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    )
     return [
         f"command: {shlex.join([Path(sys.executable).name, '-m', 'benchmarks.memory', *sys.argv[1:]])}",
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {device} ({hardware})",
@@ -259,24 +284,46 @@ def parse_args(argv: list[str] | None = None) -> MemoryBenchConfig:
     parser.add_argument("--size", default="default", choices=list(SIZES), help="model/batch size preset")
     parser.add_argument("--layers", type=int, help="full depth (half depth = layers // 2); default: the preset's")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (median reported)")
-    parser.add_argument("--warmup", type=int, default=0,
-                        help="extra untimed steps before the timed ones (the instrumented step always runs first)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="extra untimed steps before the timed ones (the instrumented step always runs first)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="cuda adds max_memory_allocated and bf16/fp16 autocast rows")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda adds max_memory_allocated and bf16/fp16 autocast rows",
+    )
     parser.add_argument("--variants", help="comma-separated subset of variants to run (default: all)")
-    parser.add_argument("--depth-layers", type=_depths, default=(4, 48),
-                        help="depths of the reversible growth check at the tiny size (default 4,48)")
+    parser.add_argument(
+        "--depth-layers",
+        type=_depths,
+        default=(4, 48),
+        help="depths of the reversible growth check at the tiny size (default 4,48)",
+    )
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     parser.add_argument("--plot", type=Path, help="PNG chart path (default benchmarks/results/memory_<size>.png)")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also print the largest saved-for-backward tensors of each variant, by shape")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also print the largest saved-for-backward tensors of each variant, by shape",
+    )
     args = parser.parse_args(argv)
     try:
         return MemoryBenchConfig(
-            size=args.size, layers=args.layers, steps=args.steps, warmup=args.warmup, threads=args.threads,
-            device=args.device, variants=tuple(args.variants.split(",")) if args.variants else None,
-            depth_layers=args.depth_layers, json_path=args.json, plot_path=args.plot,
+            size=args.size,
+            layers=args.layers,
+            steps=args.steps,
+            warmup=args.warmup,
+            threads=args.threads,
+            device=args.device,
+            variants=tuple(args.variants.split(",")) if args.variants else None,
+            depth_layers=args.depth_layers,
+            json_path=args.json,
+            plot_path=args.plot,
             breakdown=args.breakdown,
         )
     except ValueError as error:
@@ -284,8 +331,9 @@ def parse_args(argv: list[str] | None = None) -> MemoryBenchConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=os.environ.get("LEANHIVE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("LEANHIVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     run(parse_args(argv))
 
 

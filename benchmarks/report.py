@@ -1,11 +1,12 @@
 """Rows of the memory benchmark: ratios to the references, targets, markdown, JSON and the chart."""
+
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
 
-KIB, MIB = 1024, 1024 ** 2
+KIB, MIB = 1024, 1024**2
 
 
 @dataclasses.dataclass
@@ -112,8 +113,11 @@ def evaluate_targets(rows: list[Row]) -> None:
         if None in ratios.values():
             row.verdict = f"n/a (reference missing; need {row.target})"
             continue
-        failed = [f"{RATIO_LABELS[name]} {ratios[name]:.2f} > {limit:g}"
-                  for name, limit in limits.items() if ratios[name] > limit]
+        failed = [
+            f"{RATIO_LABELS[name]} {ratios[name]:.2f} > {limit:g}"
+            for name, limit in limits.items()
+            if ratios[name] > limit
+        ]
         row.passed = not failed
         row.verdict = "PASS" if row.passed else "FAIL: " + ", ".join(failed)
 
@@ -129,8 +133,15 @@ def _table(header: list[str], lines: list[list[str]]) -> str:
 
 
 def main_table(rows: list[Row], with_cuda: bool) -> str:
-    header = ["variant", "saved KiB/layer/token", "x ref (hf eager / hf eager ckpt)", "act. peak MiB", "x ref",
-              "step s", "x hf sdpa (/ sdpa ckpt)"]
+    header = [
+        "variant",
+        "saved KiB/layer/token",
+        "x ref (hf eager / hf eager ckpt)",
+        "act. peak MiB",
+        "x ref",
+        "step s",
+        "x hf sdpa (/ sdpa ckpt)",
+    ]
     if with_cuda:
         header += ["cuda peak MiB", "x ref"]
     header.append("target")
@@ -141,9 +152,15 @@ def main_table(rows: list[Row], with_cuda: bool) -> str:
         if row.skipped is not None:
             lines.append([row.variant, f"skipped: {row.skipped}"] + [""] * (len(header) - 2))
             continue
-        line = [row.variant, _fmt(row.saved_bytes_per_layer_per_token, KIB, 1), _fmt(row.saved_ratio),
-                _fmt(row.activation_peak_bytes, MIB, 1), _fmt(row.peak_ratio), _fmt(row.step_seconds, 1, 3),
-                _fmt(row.time_ratio)]
+        line = [
+            row.variant,
+            _fmt(row.saved_bytes_per_layer_per_token, KIB, 1),
+            _fmt(row.saved_ratio),
+            _fmt(row.activation_peak_bytes, MIB, 1),
+            _fmt(row.peak_ratio),
+            _fmt(row.step_seconds, 1, 3),
+            _fmt(row.time_ratio),
+        ]
         if with_cuda:
             line += [_fmt(row.cuda_peak_bytes, MIB, 1), _fmt(row.cuda_peak_ratio)]
         lines.append(line + [row.verdict])
@@ -151,8 +168,16 @@ def main_table(rows: list[Row], with_cuda: bool) -> str:
 
 
 def depth_table(rows: list[Row]) -> str:
-    header = ["variant", "layers", "saved KiB/token (whole model)", "x shallowest", "act. peak MiB", "x shallowest",
-              "step s", "target"]
+    header = [
+        "variant",
+        "layers",
+        "saved KiB/token (whole model)",
+        "x shallowest",
+        "act. peak MiB",
+        "x shallowest",
+        "step s",
+        "target",
+    ]
     lines = []
     for row in rows:
         if row.kind != "depth":
@@ -161,9 +186,18 @@ def depth_table(rows: list[Row]) -> str:
             lines.append([row.variant, "", f"skipped: {row.skipped}"] + [""] * (len(header) - 3))
             continue
         tokens_kib = row.saved_bytes_total / row.tokens / KIB
-        lines.append([row.variant, str(row.layers), f"{tokens_kib:.2f}", _fmt(row.saved_ratio),
-                      _fmt(row.activation_peak_bytes, MIB, 2), _fmt(row.peak_ratio), _fmt(row.step_seconds, 1, 3),
-                      row.verdict])
+        lines.append(
+            [
+                row.variant,
+                str(row.layers),
+                f"{tokens_kib:.2f}",
+                _fmt(row.saved_ratio),
+                _fmt(row.activation_peak_bytes, MIB, 2),
+                _fmt(row.peak_ratio),
+                _fmt(row.step_seconds, 1, 3),
+                row.verdict,
+            ]
+        )
     return _table(header, lines)
 
 
@@ -173,8 +207,10 @@ def breakdown_text(rows: list[Row], top: int = 8) -> str:
     for row in rows:
         if row.skipped is None and row.saved_breakdown:
             lines.append(f"{row.variant} ({row.layers} layers, {row.saved_bytes_total / KIB:.1f} KiB saved):")
-            lines += [f"    {count:4d} x {shape:<28} {nbytes / KIB:10.1f} KiB"
-                      for shape, count, nbytes in row.saved_breakdown[:top]]
+            lines += [
+                f"    {count:4d} x {shape:<28} {nbytes / KIB:10.1f} KiB"
+                for shape, count, nbytes in row.saved_breakdown[:top]
+            ]
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ Each variant knows how to build its model at a given size and depth. Lean modes 
 out ``model/`` cannot run yet (the lean internals are built on a separate branch) are reported as
 unavailable with the reason, instead of silently measuring something else.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,11 +40,14 @@ class BenchSize:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must split into {self.num_heads} heads of even size "
-                             "(rotary embeddings); e.g. hidden_size=64 * num_heads")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must split into {self.num_heads} heads of even size "
+                "(rotary embeddings); e.g. hidden_size=64 * num_heads"
+            )
         if self.layers < 2:
-            raise ValueError(f"layers must be at least 2 (per-layer figures compare full and half depth), "
-                             f"got {self.layers}")
+            raise ValueError(
+                f"layers must be at least 2 (per-layer figures compare full and half depth), got {self.layers}"
+            )
 
     @property
     def half_layers(self) -> int:
@@ -55,12 +59,29 @@ class BenchSize:
 
 
 SIZES = {
-    "tiny": BenchSize("tiny", hidden_size=64, num_heads=4, intermediate_size=256, seq_len=64, batch_size=2,
-                      vocab_size=512, layers=4),
-    "small": BenchSize("small", hidden_size=256, num_heads=4, intermediate_size=1024, seq_len=256, batch_size=2,
-                       vocab_size=8000, layers=4),
-    "default": BenchSize("default", hidden_size=1024, num_heads=16, intermediate_size=4096, seq_len=512,
-                         batch_size=2, vocab_size=32000, layers=4),
+    "tiny": BenchSize(
+        "tiny", hidden_size=64, num_heads=4, intermediate_size=256, seq_len=64, batch_size=2, vocab_size=512, layers=4
+    ),
+    "small": BenchSize(
+        "small",
+        hidden_size=256,
+        num_heads=4,
+        intermediate_size=1024,
+        seq_len=256,
+        batch_size=2,
+        vocab_size=8000,
+        layers=4,
+    ),
+    "default": BenchSize(
+        "default",
+        hidden_size=1024,
+        num_heads=16,
+        intermediate_size=4096,
+        seq_len=512,
+        batch_size=2,
+        vocab_size=32000,
+        layers=4,
+    ),
 }
 
 
@@ -91,9 +112,19 @@ def hf_gpt2_builder(attention: str, checkpointing: bool) -> Callable[[BenchSize,
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(
-            vocab_size=size.vocab_size, n_positions=size.seq_len, n_embd=size.hidden_size, n_layer=layers,
-            n_head=size.num_heads, n_inner=size.intermediate_size, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0, attn_implementation=attention,
+            vocab_size=size.vocab_size,
+            n_positions=size.seq_len,
+            n_embd=size.hidden_size,
+            n_layer=layers,
+            n_head=size.num_heads,
+            n_inner=size.intermediate_size,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation=attention,
         )
         model = GPT2LMHeadModel(config)
         model.loss_type = "ForCausalLM"  # the default, named to silence transformers' "unrecognized" warning
@@ -108,9 +139,14 @@ def hf_gpt2_builder(attention: str, checkpointing: bool) -> Callable[[BenchSize,
 
 def lean_config(size: BenchSize, layers: int, **overrides) -> LeanTransformerConfig:
     return LeanTransformerConfig(
-        vocab_size=size.vocab_size, hidden_size=size.hidden_size, num_hidden_layers=layers,
-        num_attention_heads=size.num_heads, intermediate_size=size.intermediate_size,
-        max_position_embeddings=size.seq_len, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=size.vocab_size,
+        hidden_size=size.hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=size.num_heads,
+        intermediate_size=size.intermediate_size,
+        max_position_embeddings=size.seq_len,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
         **overrides,
     )
 
@@ -147,8 +183,11 @@ AUTOCAST_BASES = ("hf_gpt2_eager", "hf_gpt2_sdpa", "lean_default")
 def autocast_variants() -> list[Variant]:
     """bf16/fp16 autocast rows (run on CUDA only)."""
     by_name = {variant.name: variant for variant in base_variants()}
-    return [dataclasses.replace(by_name[base], name=f"{base}_{suffix}", autocast=suffix)
-            for suffix in AUTOCAST_DTYPES for base in AUTOCAST_BASES]
+    return [
+        dataclasses.replace(by_name[base], name=f"{base}_{suffix}", autocast=suffix)
+        for suffix in AUTOCAST_DTYPES
+        for base in AUTOCAST_BASES
+    ]
 
 
 @functools.cache

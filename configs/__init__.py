@@ -3,6 +3,7 @@
 ``MODEL_PRESETS_DIR`` holds the model presets (``<name>.json``, read by ``model.load_config``);
 ``RUN_PRESETS_DIR`` holds the run presets (``<name>.yaml``, read by the peers' ``--config``).
 """
+
 from pathlib import Path
 
 MODEL_PRESETS_DIR = Path(__file__).resolve().parent / "model"

@@ -1,4 +1,5 @@
 """Container healthcheck: the aux peer must answer on its metrics port; a trainer process must be alive."""
+
 import os
 import sys
 import urllib.request

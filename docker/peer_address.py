@@ -2,6 +2,7 @@
 
 Used by docker/compose.yaml so trainers find the aux peer by its stable identity.
 """
+
 import sys
 
 from hivemind.p2p import PeerID

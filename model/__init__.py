@@ -1,4 +1,5 @@
 """The lean transformer: no training, networking, optimizer or CLI code in here."""
+
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForPreTraining
 
 from model.config import LeanTransformerConfig
@@ -12,6 +13,14 @@ AutoModelForCausalLM.register(LeanTransformerConfig, LeanGPTForCausalLM, exist_o
 AutoModelForPreTraining.register(LeanTransformerConfig, LeanAlbertForPreTraining, exist_ok=True)
 
 __all__ = [
-    "LeanTransformerConfig", "LeanPreTrainedModel", "LeanModel", "LeanGPTForCausalLM", "LeanAlbertForPreTraining",
-    "apply_memory_options", "use_plain_reference", "load_config", "available_presets", "PRESETS_DIR",
+    "LeanTransformerConfig",
+    "LeanPreTrainedModel",
+    "LeanModel",
+    "LeanGPTForCausalLM",
+    "LeanAlbertForPreTraining",
+    "apply_memory_options",
+    "use_plain_reference",
+    "load_config",
+    "available_presets",
+    "PRESETS_DIR",
 ]

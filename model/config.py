@@ -1,4 +1,5 @@
 """LeanTransformerConfig: one typed, validated config for every lean model variant."""
+
 from __future__ import annotations
 
 from transformers import PretrainedConfig
@@ -121,13 +122,28 @@ class LeanTransformerConfig(PretrainedConfig):
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field, its value and what is valid."""
-        for name in ("vocab_size", "hidden_size", "embedding_size", "num_hidden_layers",
-                     "num_attention_heads", "intermediate_size", "max_position_embeddings", "num_hidden_groups"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "embedding_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "num_hidden_groups",
+        ):
             _check_int(self, name, minimum=1)
         for name in ("loss_chunk_size", "adapter_dim", "block_size", "lowrank_dim", "type_vocab_size"):
             _check_int(self, name, minimum=0)
-        for name in ("gated_ffn", "fp32_residual", "share_large_matrices", "reversible", "custom_ffn",
-                     "custom_attention", "checkpoint_layers"):
+        for name in (
+            "gated_ffn",
+            "fp32_residual",
+            "share_large_matrices",
+            "reversible",
+            "custom_ffn",
+            "custom_attention",
+            "checkpoint_layers",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("layer_norm_eps", "initializer_range", "rotary_base"):
@@ -140,10 +156,16 @@ class LeanTransformerConfig(PretrainedConfig):
                 f"({self.num_attention_heads}); e.g. hidden_size={self.num_attention_heads * 64}"
             )
         if self.position_embedding_type == "rotary" and self.head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head dim, got {self.head_dim}; "
-                             "change hidden_size or num_attention_heads, or use position_embedding_type='absolute'")
-        for name, valid in (("hidden_act", ACTIVATIONS), ("attention_type", ATTENTION_TYPES),
-                            ("position_embedding_type", POSITION_EMBEDDING_TYPES), ("norm_scheme", NORM_SCHEMES)):
+            raise ValueError(
+                f"rotary embeddings need an even head dim, got {self.head_dim}; "
+                "change hidden_size or num_attention_heads, or use position_embedding_type='absolute'"
+            )
+        for name, valid in (
+            ("hidden_act", ACTIVATIONS),
+            ("attention_type", ATTENTION_TYPES),
+            ("position_embedding_type", POSITION_EMBEDDING_TYPES),
+            ("norm_scheme", NORM_SCHEMES),
+        ):
             if getattr(self, name) not in valid:
                 raise ValueError(f"unknown {name}={getattr(self, name)!r}; valid values: {', '.join(valid)}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
@@ -151,9 +173,11 @@ class LeanTransformerConfig(PretrainedConfig):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
         if self.num_hidden_layers % self.num_hidden_groups:
-            raise ValueError(f"num_hidden_layers ({self.num_hidden_layers}) must be a multiple of "
-                             f"num_hidden_groups ({self.num_hidden_groups}); e.g. num_hidden_groups=1 shares "
-                             "one set of layer parameters across all layers")
+            raise ValueError(
+                f"num_hidden_layers ({self.num_hidden_layers}) must be a multiple of "
+                f"num_hidden_groups ({self.num_hidden_groups}); e.g. num_hidden_groups=1 shares "
+                "one set of layer parameters across all layers"
+            )
         if self.adapter_dim and not self.share_large_matrices:
             raise ValueError("adapter_dim > 0 needs share_large_matrices=True (adapters are added to shared matrices)")
         if self.lowrank_dim and not self.block_size:
@@ -161,14 +185,20 @@ class LeanTransformerConfig(PretrainedConfig):
         if self.block_size:
             self._validate_pixelfly_shapes()
         if self.reversible and self.checkpoint_layers:
-            raise ValueError("reversible=True already recomputes activations; it cannot be combined with "
-                             "checkpoint_layers=True: pick one")
+            raise ValueError(
+                "reversible=True already recomputes activations; it cannot be combined with "
+                "checkpoint_layers=True: pick one"
+            )
 
     def projection_shapes(self) -> dict:
         """(in_features, out_features) of every projection in a layer, by name."""
         hidden, inner = self.hidden_size, self.intermediate_size
-        return {"qkv": (hidden, 3 * hidden), "out": (hidden, hidden),
-                "up": (hidden, inner * (2 if self.gated_ffn else 1)), "down": (inner, hidden)}
+        return {
+            "qkv": (hidden, 3 * hidden),
+            "out": (hidden, hidden),
+            "up": (hidden, inner * (2 if self.gated_ffn else 1)),
+            "down": (inner, hidden),
+        }
 
     def _validate_pixelfly_shapes(self) -> None:
         from model.pixelfly import butterfly_block_layout  # raises ValueError naming valid sizes
@@ -177,9 +207,11 @@ class LeanTransformerConfig(PretrainedConfig):
             try:
                 butterfly_block_layout(fan_out, fan_in, self.block_size)
             except ValueError as error:
-                raise ValueError(f"block_size={self.block_size} does not fit the {name} projection "
-                                 f"({fan_in} -> {fan_out}) of hidden_size={self.hidden_size}, intermediate_size="
-                                 f"{self.intermediate_size}: {error}") from error
+                raise ValueError(
+                    f"block_size={self.block_size} does not fit the {name} projection "
+                    f"({fan_in} -> {fan_out}) of hidden_size={self.hidden_size}, intermediate_size="
+                    f"{self.intermediate_size}: {error}"
+                ) from error
 
 
 def _check_int(config: LeanTransformerConfig, name: str, minimum: int) -> None:

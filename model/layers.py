@@ -4,6 +4,7 @@ Each sub-layer picks its implementation per call: the custom-backward Function (
 the plain-autograd composition (the reference), both over the same parameters. Projections are built
 by ``model.linear.make_linear`` so PixelFly and shared-matrix + adapter layers plug in.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -20,11 +21,18 @@ from model.ops.projection import ComputeContext
 from model.ops.rotary import RotaryTables
 
 
-def make_projection(config: LeanTransformerConfig, in_features: int, out_features: int,
-                    shared: Optional[nn.Module] = None) -> nn.Module:
+def make_projection(
+    config: LeanTransformerConfig, in_features: int, out_features: int, shared: Optional[nn.Module] = None
+) -> nn.Module:
     """A dense, PixelFly or shared + adapter projection, as the config asks."""
-    return make_linear(in_features, out_features, block_size=config.block_size, lowrank_dim=config.lowrank_dim,
-                       shared=shared, adapter_dim=config.adapter_dim)
+    return make_linear(
+        in_features,
+        out_features,
+        block_size=config.block_size,
+        lowrank_dim=config.lowrank_dim,
+        shared=shared,
+        adapter_dim=config.adapter_dim,
+    )
 
 
 def _norm(config: LeanTransformerConfig) -> nn.LayerNorm:
@@ -55,8 +63,9 @@ class _PreNormSublayer(nn.Module):
 class LeanSelfAttention(_PreNormSublayer):
     """Pre-norm self-attention; returns x + attn(x), or attn(x) alone when ``residual`` is False."""
 
-    def __init__(self, config: LeanTransformerConfig, shared: Optional[Dict[str, nn.Module]] = None,
-                 residual: bool = True):
+    def __init__(
+        self, config: LeanTransformerConfig, shared: Optional[Dict[str, nn.Module]] = None, residual: bool = True
+    ):
         super().__init__(config, residual, config.custom_attention)
         shared = shared or {}
         hidden = config.hidden_size
@@ -66,24 +75,45 @@ class LeanSelfAttention(_PreNormSublayer):
         self.qkv = make_projection(config, hidden, 3 * hidden, shared.get("qkv"))
         self.out = make_projection(config, hidden, hidden, shared.get("out"))
 
-    def forward(self, hidden: torch.Tensor, rotary: Optional[RotaryTables] = None,
-                key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: Optional[RotaryTables] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         spec = AttentionSpec(
-            qkv=self.qkv, out=self.out, num_heads=self.num_heads, causal=self.causal, eps=self.eps,
-            attn_dropout_p=self.attn_dropout_p, attn_dropout_seed=draw_seed(self.attn_dropout_p, self.training),
-            dropout_p=self.dropout_p, dropout_seed=draw_seed(self.dropout_p, self.training),
-            residual=self.residual, compute=self._compute_context(hidden))
+            qkv=self.qkv,
+            out=self.out,
+            num_heads=self.num_heads,
+            causal=self.causal,
+            eps=self.eps,
+            attn_dropout_p=self.attn_dropout_p,
+            attn_dropout_seed=draw_seed(self.attn_dropout_p, self.training),
+            dropout_p=self.dropout_p,
+            dropout_seed=draw_seed(self.dropout_p, self.training),
+            residual=self.residual,
+            compute=self._compute_context(hidden),
+        )
         cos, sin = rotary if rotary is not None else (None, None)
         run = attention_custom if self.custom else attention_plain
-        return run(hidden, self.norm.weight, self.norm.bias, *_norm_params(self.sandwich_norm), cos, sin,
-                   key_padding_mask, spec)
+        return run(
+            hidden,
+            self.norm.weight,
+            self.norm.bias,
+            *_norm_params(self.sandwich_norm),
+            cos,
+            sin,
+            key_padding_mask,
+            spec,
+        )
 
 
 class LeanFFN(_PreNormSublayer):
     """Pre-norm FFN (GELU or gated); returns x + ffn(x), or ffn(x) alone when ``residual`` is False."""
 
-    def __init__(self, config: LeanTransformerConfig, shared: Optional[Dict[str, nn.Module]] = None,
-                 residual: bool = True):
+    def __init__(
+        self, config: LeanTransformerConfig, shared: Optional[Dict[str, nn.Module]] = None, residual: bool = True
+    ):
         super().__init__(config, residual, config.custom_ffn)
         shared = shared or {}
         up_features = config.intermediate_size * (2 if config.gated_ffn else 1)
@@ -92,13 +122,24 @@ class LeanFFN(_PreNormSublayer):
         self.up = make_projection(config, config.hidden_size, up_features, shared.get("up"))
         self.down = make_projection(config, config.intermediate_size, config.hidden_size, shared.get("down"))
 
-    def forward(self, hidden: torch.Tensor, rotary: Optional[RotaryTables] = None,
-                key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: Optional[RotaryTables] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         del rotary, key_padding_mask  # same signature as attention, so stacks can treat sub-layers alike
         spec = FFNSpec(
-            up=self.up, down=self.down, activation=self.activation, gated=self.gated, eps=self.eps,
-            dropout_p=self.dropout_p, dropout_seed=draw_seed(self.dropout_p, self.training),
-            residual=self.residual, compute=self._compute_context(hidden))
+            up=self.up,
+            down=self.down,
+            activation=self.activation,
+            gated=self.gated,
+            eps=self.eps,
+            dropout_p=self.dropout_p,
+            dropout_seed=draw_seed(self.dropout_p, self.training),
+            residual=self.residual,
+            compute=self._compute_context(hidden),
+        )
         run = ffn_custom if self.custom else ffn_plain
         return run(hidden, self.norm.weight, self.norm.bias, *_norm_params(self.sandwich_norm), spec)
 
@@ -106,12 +147,17 @@ class LeanFFN(_PreNormSublayer):
 class LeanLayer(nn.Module):
     """One transformer layer: attention then FFN, each a residual sub-layer (or a reversible half)."""
 
-    def __init__(self, config: LeanTransformerConfig, shared: Optional[Dict[str, nn.Module]] = None,
-                 residual: bool = True):
+    def __init__(
+        self, config: LeanTransformerConfig, shared: Optional[Dict[str, nn.Module]] = None, residual: bool = True
+    ):
         super().__init__()
         self.attention = LeanSelfAttention(config, shared, residual)
         self.ffn = LeanFFN(config, shared, residual)
 
-    def forward(self, hidden: torch.Tensor, rotary: Optional[RotaryTables] = None,
-                key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: Optional[RotaryTables] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         return self.ffn(self.attention(hidden, rotary, key_padding_mask))

@@ -5,6 +5,7 @@ it as ``shared=`` to several ``make_linear`` calls; each call returns an ``Adapt
 adapter and bias to the shared product. The shared parameters are the same objects in every layer, so optimizers,
 ``parameters()`` and ``state_dict()`` see them once (see ``register_shared_module``).
 """
+
 import logging
 import math
 from typing import Optional
@@ -57,8 +58,13 @@ class SharedMatrix(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.block_size, self.lowrank_dim = block_size, lowrank_dim
         self.core = _build_core(
-            in_features, out_features, bias=False, block_size=block_size, lowrank_dim=lowrank_dim,
-            device=device, dtype=dtype,
+            in_features,
+            out_features,
+            bias=False,
+            block_size=block_size,
+            lowrank_dim=lowrank_dim,
+            device=device,
+            dtype=dtype,
         )
 
     @property
@@ -108,8 +114,10 @@ class AdaptedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         adapter_dim = self.adapter.rank if self.adapter is not None else 0
-        return f"in_features={self.in_features}, out_features={self.out_features}, adapter_dim={adapter_dim}, " \
-               f"bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, adapter_dim={adapter_dim}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 def make_shared_matrix(
@@ -147,16 +155,23 @@ def make_linear(
                 "pass shared=make_shared_matrix(...) or adapter_dim=0"
             )
         return _build_core(
-            in_features, out_features, bias=bias, block_size=block_size, lowrank_dim=lowrank_dim,
-            device=device, dtype=dtype,
+            in_features,
+            out_features,
+            bias=bias,
+            block_size=block_size,
+            lowrank_dim=lowrank_dim,
+            device=device,
+            dtype=dtype,
         )
     if (shared.in_features, shared.out_features) != (in_features, out_features):
         raise ValueError(
             f"shared matrix maps {shared.in_features} -> {shared.out_features}, but this layer needs "
             f"{in_features} -> {out_features}; share a matrix only between projections of the same shape"
         )
-    for name, asked, actual in (("block_size", block_size, shared.block_size),
-                                ("lowrank_dim", lowrank_dim, shared.lowrank_dim)):
+    for name, asked, actual in (
+        ("block_size", block_size, shared.block_size),
+        ("lowrank_dim", lowrank_dim, shared.lowrank_dim),
+    ):
         if asked not in (0, actual):
             raise ValueError(
                 f"{name}={asked} conflicts with the shared matrix's {name}={actual}; pass 0 or {actual} with shared="
@@ -171,8 +186,12 @@ def _check_same_placement(shared: SharedMatrix, device, dtype) -> None:
     if device is not None:
         device = torch.device(device)
         if device.type != reference.device.type or device.index not in (None, reference.device.index):
-            raise ValueError(f"device={device} differs from the shared matrix's device {reference.device}; "
-                             "build the shared matrix on the same device")
+            raise ValueError(
+                f"device={device} differs from the shared matrix's device {reference.device}; "
+                "build the shared matrix on the same device"
+            )
     if dtype is not None and dtype != reference.dtype:
-        raise ValueError(f"dtype={dtype} differs from the shared matrix's dtype {reference.dtype}; "
-                         "build the shared matrix with the same dtype")
+        raise ValueError(
+            f"dtype={dtype} differs from the shared matrix's dtype {reference.dtype}; "
+            "build the shared matrix with the same dtype"
+        )

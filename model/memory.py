@@ -3,6 +3,7 @@
 They change how the model is computed, never what it computes (the tests prove it against the plain
 reference in float64). ``reversible`` is not among them: it is an architecture (config.reversible).
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,10 @@ logger = logging.getLogger(__name__)
 def _find_stack(model: nn.Module) -> LayerStack:
     stacks = [module for module in model.modules() if isinstance(module, LayerStack)]
     if len(stacks) != 1:
-        raise ValueError(f"expected a lean model with exactly one LayerStack, found {len(stacks)} in "
-                         f"{type(model).__name__}; pass a LeanGPTForCausalLM, LeanAlbertForPreTraining or LeanModel")
+        raise ValueError(
+            f"expected a lean model with exactly one LayerStack, found {len(stacks)} in "
+            f"{type(model).__name__}; pass a LeanGPTForCausalLM, LeanAlbertForPreTraining or LeanModel"
+        )
     return stacks[0]
 
 
@@ -29,9 +32,14 @@ def _check_bool(name: str, value) -> None:
         raise ValueError(f"{name} must be True, False or None (keep), got {value!r}")
 
 
-def apply_memory_options(model: nn.Module, *, custom_ffn: Optional[bool] = None,
-                         custom_attention: Optional[bool] = None, checkpoint_layers: Optional[bool] = None,
-                         loss_chunk_size: Optional[int] = None) -> nn.Module:
+def apply_memory_options(
+    model: nn.Module,
+    *,
+    custom_ffn: Optional[bool] = None,
+    custom_attention: Optional[bool] = None,
+    checkpoint_layers: Optional[bool] = None,
+    loss_chunk_size: Optional[int] = None,
+) -> nn.Module:
     """Switch memory options on a built lean model (in place) and return it; None keeps the current value.
 
     custom_ffn / custom_attention: hand-written backward (True) or plain autograd (False).
@@ -40,17 +48,24 @@ def apply_memory_options(model: nn.Module, *, custom_ffn: Optional[bool] = None,
     loss_chunk_size: tokens per chunk of the LM loss; 0 computes full logits with plain autograd.
     The model's config is updated too, so save_pretrained records the options.
     """
-    for name, value in (("custom_ffn", custom_ffn), ("custom_attention", custom_attention),
-                        ("checkpoint_layers", checkpoint_layers)):
+    for name, value in (
+        ("custom_ffn", custom_ffn),
+        ("custom_attention", custom_attention),
+        ("checkpoint_layers", checkpoint_layers),
+    ):
         _check_bool(name, value)
-    if loss_chunk_size is not None and (isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, int)
-                                        or loss_chunk_size < 0):
-        raise ValueError(f"loss_chunk_size must be a non-negative integer (tokens per chunk, 0 = unchunked), "
-                         f"got {loss_chunk_size!r}")
+    if loss_chunk_size is not None and (
+        isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, int) or loss_chunk_size < 0
+    ):
+        raise ValueError(
+            f"loss_chunk_size must be a non-negative integer (tokens per chunk, 0 = unchunked), got {loss_chunk_size!r}"
+        )
     stack = _find_stack(model)
     if checkpoint_layers and stack.reversible:
-        raise ValueError("checkpoint_layers=True cannot be used with a reversible stack (config.reversible=True): "
-                         "reversible layers already keep no activations per layer; leave checkpoint_layers off")
+        raise ValueError(
+            "checkpoint_layers=True cannot be used with a reversible stack (config.reversible=True): "
+            "reversible layers already keep no activations per layer; leave checkpoint_layers off"
+        )
     for module in stack.modules():
         if isinstance(module, LeanFFN) and custom_ffn is not None:
             module.custom = custom_ffn
@@ -63,12 +78,21 @@ def apply_memory_options(model: nn.Module, *, custom_ffn: Optional[bool] = None,
             if hasattr(module, "loss_chunk_size"):
                 module.loss_chunk_size = loss_chunk_size
     config = getattr(model, "config", None)
-    for name, value in (("custom_ffn", custom_ffn), ("custom_attention", custom_attention),
-                        ("checkpoint_layers", checkpoint_layers), ("loss_chunk_size", loss_chunk_size)):
+    for name, value in (
+        ("custom_ffn", custom_ffn),
+        ("custom_attention", custom_attention),
+        ("checkpoint_layers", checkpoint_layers),
+        ("loss_chunk_size", loss_chunk_size),
+    ):
         if value is not None and config is not None:
             setattr(config, name, value)
-    logger.info("memory options: custom_ffn=%s custom_attention=%s checkpoint_layers=%s loss_chunk_size=%s "
-                "(None = unchanged)", custom_ffn, custom_attention, checkpoint_layers, loss_chunk_size)
+    logger.info(
+        "memory options: custom_ffn=%s custom_attention=%s checkpoint_layers=%s loss_chunk_size=%s (None = unchanged)",
+        custom_ffn,
+        custom_attention,
+        checkpoint_layers,
+        loss_chunk_size,
+    )
     return model
 
 

@@ -6,6 +6,7 @@
 Both round-trip through ``save_pretrained``/``from_pretrained`` and are registered with the Auto
 classes (see ``model/__init__.py``). Memory options live in ``model.memory.apply_memory_options``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,12 +76,19 @@ class LeanModel(LeanPreTrainedModel):
     def __init__(self, config: LeanTransformerConfig):
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.embedding_size)
-        self.positions = (nn.Embedding(config.max_position_embeddings, config.embedding_size)
-                          if config.position_embedding_type == "absolute" else None)
-        self.token_types = (nn.Embedding(config.type_vocab_size, config.embedding_size)
-                            if config.type_vocab_size else None)
-        self.embedding_proj = (nn.Linear(config.embedding_size, config.hidden_size)
-                               if config.embedding_size != config.hidden_size else None)
+        self.positions = (
+            nn.Embedding(config.max_position_embeddings, config.embedding_size)
+            if config.position_embedding_type == "absolute"
+            else None
+        )
+        self.token_types = (
+            nn.Embedding(config.type_vocab_size, config.embedding_size) if config.type_vocab_size else None
+        )
+        self.embedding_proj = (
+            nn.Linear(config.embedding_size, config.hidden_size)
+            if config.embedding_size != config.hidden_size
+            else None
+        )
         self.stack = LayerStack(config)
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.post_init()
@@ -96,19 +104,27 @@ class LeanModel(LeanPreTrainedModel):
         hidden = self.embeddings(input_ids)
         if self.positions is not None:
             if seq_len > self.config.max_position_embeddings:
-                raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
-                                 f"({self.config.max_position_embeddings}); use shorter sequences or rotary positions")
+                raise ValueError(
+                    f"sequence length {seq_len} exceeds max_position_embeddings "
+                    f"({self.config.max_position_embeddings}); use shorter sequences or rotary positions"
+                )
             hidden = hidden + self.positions(torch.arange(seq_len, device=input_ids.device))
         if self.token_types is not None:
             hidden = hidden + self.token_types(
-                token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids))
+                token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
+            )
         if self.embedding_proj is not None:
             hidden = self.embedding_proj(hidden)
         p = self.config.hidden_dropout_prob
         return seeded_dropout(hidden, p, draw_seed(p, self.training))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                token_type_ids: Optional[torch.Tensor] = None, **kwargs) -> BaseModelOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> BaseModelOutput:
         """attention_mask: [batch, seq], 1 for real tokens and 0 for padding (HF convention)."""
         hidden = self._embed(input_ids, token_type_ids)
         if self.config.fp32_residual:  # residual stream in (at least) fp32 whatever the compute dtype
@@ -116,8 +132,9 @@ class LeanModel(LeanPreTrainedModel):
         compute = ComputeContext.current(hidden.device, self.final_norm.weight.dtype)
         rotary = None
         if self.config.position_embedding_type == "rotary":
-            rotary = rotary_tables(input_ids.shape[1], self.config.head_dim, self.config.rotary_base,
-                                   hidden.device, compute.dtype)
+            rotary = rotary_tables(
+                input_ids.shape[1], self.config.head_dim, self.config.rotary_base, hidden.device, compute.dtype
+            )
         key_padding_mask = None
         if attention_mask is not None and not bool(attention_mask.all()):
             key_padding_mask = attention_mask.bool()
@@ -133,12 +150,17 @@ class LeanGPTForCausalLM(LeanPreTrainedModel):
 
     def __init__(self, config: LeanTransformerConfig):
         if config.attention_type != "causal":
-            raise ValueError(f"LeanGPTForCausalLM needs attention_type='causal', got {config.attention_type!r}; "
-                             "use LeanAlbertForPreTraining for bidirectional attention")
+            raise ValueError(
+                f"LeanGPTForCausalLM needs attention_type='causal', got {config.attention_type!r}; "
+                "use LeanAlbertForPreTraining for bidirectional attention"
+            )
         super().__init__(config)
         self.transformer = LeanModel(config)
-        self.head_proj = (nn.Linear(config.hidden_size, config.embedding_size)
-                          if config.embedding_size != config.hidden_size else None)
+        self.head_proj = (
+            nn.Linear(config.hidden_size, config.embedding_size)
+            if config.embedding_size != config.hidden_size
+            else None
+        )
         self.lm_head = nn.Linear(config.embedding_size, config.vocab_size, bias=False)
         self.loss_chunk_size = config.loss_chunk_size
         self.post_init()
@@ -149,8 +171,14 @@ class LeanGPTForCausalLM(LeanPreTrainedModel):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, return_logits: bool = False, **kwargs) -> CausalLMOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        return_logits: bool = False,
+        **kwargs,
+    ) -> CausalLMOutput:
         """labels: [batch, seq] token ids (usually input_ids); position t predicts labels[:, t + 1].
 
         Labels equal to -100, and labels at padded positions (attention_mask == 0), are ignored.
@@ -186,8 +214,10 @@ class LeanAlbertForPreTraining(LeanPreTrainedModel):
 
     def __init__(self, config: LeanTransformerConfig):
         if config.attention_type != "bidirectional":
-            raise ValueError(f"LeanAlbertForPreTraining needs attention_type='bidirectional', got "
-                             f"{config.attention_type!r}; use LeanGPTForCausalLM for causal attention")
+            raise ValueError(
+                f"LeanAlbertForPreTraining needs attention_type='bidirectional', got "
+                f"{config.attention_type!r}; use LeanGPTForCausalLM for causal attention"
+            )
         super().__init__(config)
         self.transformer = LeanModel(config)
         self.mlm_dense = nn.Linear(config.hidden_size, config.embedding_size)
@@ -208,10 +238,16 @@ class LeanAlbertForPreTraining(LeanPreTrainedModel):
         hidden = activate(self.mlm_dense(hidden.to(self.mlm_dense.weight.dtype)), self.config.hidden_act, False)
         return self.mlm_norm(hidden)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                token_type_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                sentence_order_label: Optional[torch.Tensor] = None, return_logits: bool = False,
-                **kwargs) -> LeanAlbertForPreTrainingOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        sentence_order_label: Optional[torch.Tensor] = None,
+        return_logits: bool = False,
+        **kwargs,
+    ) -> LeanAlbertForPreTrainingOutput:
         """labels: [batch, seq] original ids at masked positions, -100 elsewhere; sentence_order_label:
         [batch], 0 = segments in order, 1 = swapped. The MLM head runs only on labelled positions."""
         hidden = self.transformer(input_ids, attention_mask, token_type_ids).last_hidden_state
@@ -220,16 +256,26 @@ class LeanAlbertForPreTraining(LeanPreTrainedModel):
             flat_labels = labels.flatten()
             selected = (flat_labels != IGNORE_INDEX).nonzero()[:, 0]
             mlm_hidden = self._mlm_transform(hidden.flatten(0, 1).index_select(0, selected))
-            mlm_loss = lm_loss(mlm_hidden, self.mlm_decoder.weight, self.mlm_decoder.bias,
-                               flat_labels.index_select(0, selected), self.loss_chunk_size)
+            mlm_loss = lm_loss(
+                mlm_hidden,
+                self.mlm_decoder.weight,
+                self.mlm_decoder.bias,
+                flat_labels.index_select(0, selected),
+                self.loss_chunk_size,
+            )
         if labels is None or return_logits:
             prediction_logits = self.mlm_decoder(self._mlm_transform(hidden))
         pooled = torch.tanh(self.sop_pooler(hidden[:, 0].to(self.sop_pooler.weight.dtype)))
         sop_logits = self.sop_classifier(pooled)
         if sentence_order_label is not None:
-            sop_loss = F.cross_entropy(sop_logits.to(torch.promote_types(sop_logits.dtype, torch.float32)),
-                                       sentence_order_label.flatten())
+            sop_loss = F.cross_entropy(
+                sop_logits.to(torch.promote_types(sop_logits.dtype, torch.float32)), sentence_order_label.flatten()
+            )
         losses = [value for value in (mlm_loss, sop_loss) if value is not None]
-        return LeanAlbertForPreTrainingOutput(loss=sum(losses) if losses else None, mlm_loss=mlm_loss,
-                                              sop_loss=sop_loss, prediction_logits=prediction_logits,
-                                              sop_logits=sop_logits)
+        return LeanAlbertForPreTrainingOutput(
+            loss=sum(losses) if losses else None,
+            mlm_loss=mlm_loss,
+            sop_loss=sop_loss,
+            prediction_logits=prediction_logits,
+            sop_logits=sop_logits,
+        )

@@ -8,6 +8,7 @@ A hand-written ``autograd.Function`` saves only the input and the weight for bac
 Also here: ``LowRank`` (x @ down @ up, the optional low-rank term of PixelFly, also used as a per-layer adapter)
 and ``register_shared_module``, which lets several layers hold one module while ``state_dict`` lists it once.
 """
+
 import logging
 import math
 from dataclasses import dataclass
@@ -174,12 +175,17 @@ class BlockSparsePlan:
         self.groups = []
         for rows, cols in chosen:
             ids = position[torch.tensor(rows, device="cpu")[:, None], torch.tensor(cols, device="cpu")[None, :]]
-            self.groups.append(_BlockGroup(_BlockSet(rows, block_size), _BlockSet(cols, block_size),
-                                           _Indices(ids.flatten().tolist())))
+            self.groups.append(
+                _BlockGroup(_BlockSet(rows, block_size), _BlockSet(cols, block_size), _Indices(ids.flatten().tolist()))
+            )
         weight_ids = sorted(i for group in self.groups for i in group.weight_ids.values)
         assert weight_ids == list(range(len(nonzero))), "the groups must cover every nonzero block exactly once"
-        logger.debug("block-sparse plan %s: %d groups by %s", tuple(layout.shape), len(self.groups),
-                     "rows" if self.grouped_by_rows else "columns")
+        logger.debug(
+            "block-sparse plan %s: %d groups by %s",
+            tuple(layout.shape),
+            len(self.groups),
+            "rows" if self.grouped_by_rows else "columns",
+        )
 
     @staticmethod
     def _group(layout: torch.Tensor) -> List[Tuple[List[int], List[int]]]:
@@ -215,8 +221,9 @@ class BlockSparsePlan:
         else:
             out = x.new_zeros(x.shape[0], self.out_blocks * size)
         for group in self.groups:
-            group.rows.matmul_into(out, group.cols.gather(x), self._group_weight(weight, group).t(),
-                                   accumulate=not self.grouped_by_rows)
+            group.rows.matmul_into(
+                out, group.cols.gather(x), self._group_weight(weight, group).t(), accumulate=not self.grouped_by_rows
+            )
         return out
 
     def backward(
@@ -235,8 +242,9 @@ class BlockSparsePlan:
         for group in self.groups:
             grad_group = group.rows.gather(grad_out)  # [batch, rows * size]
             if need_input:
-                group.cols.matmul_into(grad_x, grad_group, self._group_weight(weight, group),
-                                       accumulate=self.grouped_by_rows)
+                group.cols.matmul_into(
+                    grad_x, grad_group, self._group_weight(weight, group), accumulate=self.grouped_by_rows
+                )
             if need_weight:
                 grad_blocks = torch.mm(grad_group.t(), group.cols.gather(x))  # [rows * size, cols * size]
                 rows, cols = len(group.rows), len(group.cols)

@@ -1,4 +1,5 @@
 """Named model presets (``configs/model/<name>.json``) and loading configs from JSON files."""
+
 from __future__ import annotations
 
 import inspect
@@ -32,11 +33,15 @@ def load_config(name_or_path: Union[str, Path]) -> LeanTransformerConfig:
     if not (path.suffix == ".json" or path.exists()):
         path = PRESETS_DIR / f"{name_or_path}.json"
         if not path.exists():
-            raise ValueError(f"unknown model preset {str(name_or_path)!r}; available presets: "
-                             f"{', '.join(available_presets())} (or pass a path to a JSON config file)")
+            raise ValueError(
+                f"unknown model preset {str(name_or_path)!r}; available presets: "
+                f"{', '.join(available_presets())} (or pass a path to a JSON config file)"
+            )
     if not path.is_file():
-        raise ValueError(f"model config file {str(path)!r} does not exist; pass an existing JSON file or one of "
-                         f"the presets: {', '.join(available_presets())}")
+        raise ValueError(
+            f"model config file {str(path)!r} does not exist; pass an existing JSON file or one of "
+            f"the presets: {', '.join(available_presets())}"
+        )
     try:
         fields = json.loads(path.read_text())
     except json.JSONDecodeError as error:
@@ -45,7 +50,9 @@ def load_config(name_or_path: Union[str, Path]) -> LeanTransformerConfig:
         raise ValueError(f"model config {str(path)!r} must hold a JSON object of config fields")
     unknown = sorted(set(fields) - _known_fields())
     if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(unknown)} in {str(path)!r}; valid fields are the arguments "
-                         f"of LeanTransformerConfig, see model/config.py")
+        raise ValueError(
+            f"unknown field(s) {', '.join(unknown)} in {str(path)!r}; valid fields are the arguments "
+            f"of LeanTransformerConfig, see model/config.py"
+        )
     fields.pop("model_type", None)
     return LeanTransformerConfig(**fields)

@@ -4,6 +4,7 @@ Parameter sharing lives here too: ALBERT-style groups of consecutive layers reus
 and ``share_large_matrices`` hands every layer the same projection matrices (each layer keeps its own
 norms, biases and optional low-rank adapters).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -21,8 +22,10 @@ from model.ops.rotary import RotaryTables
 
 def _make_shared_matrices(config: LeanTransformerConfig) -> Dict[str, nn.Module]:
     """One matrix per projection kind; each AdaptedLinear registers it (state_dict lists it once)."""
-    return {name: make_shared_matrix(fan_in, fan_out, block_size=config.block_size, lowrank_dim=config.lowrank_dim)
-            for name, (fan_in, fan_out) in config.projection_shapes().items()}
+    return {
+        name: make_shared_matrix(fan_in, fan_out, block_size=config.block_size, lowrank_dim=config.lowrank_dim)
+        for name, (fan_in, fan_out) in config.projection_shapes().items()
+    }
 
 
 class LayerStack(nn.Module):
@@ -35,8 +38,9 @@ class LayerStack(nn.Module):
         # not registered here: the layers' AdaptedLinear modules register (and save) them
         shared = _make_shared_matrices(config) if config.share_large_matrices else None
         # a reversible stack adds residuals through revlib's coupling, so sub-layers return f(x) only
-        self.groups = nn.ModuleList(LeanLayer(config, shared, residual=not config.reversible)
-                                    for _ in range(config.num_hidden_groups))
+        self.groups = nn.ModuleList(
+            LeanLayer(config, shared, residual=not config.reversible) for _ in range(config.num_hidden_groups)
+        )
         self.reversible = config.reversible
         self.checkpoint_layers = config.checkpoint_layers
         # False runs the reversible architecture with plain autograd (the reference); a memory option
@@ -45,8 +49,12 @@ class LayerStack(nn.Module):
     def layer(self, index: int) -> LeanLayer:
         return self.groups[index // self.layers_per_group]
 
-    def forward(self, hidden: torch.Tensor, rotary: Optional[RotaryTables] = None,
-                key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: Optional[RotaryTables] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         if self.reversible:
             return self._forward_reversible(hidden, rotary, key_padding_mask)
         for index in range(self.num_layers):
@@ -103,5 +111,6 @@ def _checkpoint(layer: nn.Module, hidden, rotary, key_padding_mask):
     """Keep only the layer input; recompute the layer in backward."""
     # The reentrant variant saves exactly its tensor inputs (one hidden state per layer) through
     # save_for_backward; it needs an input that requires grad, otherwise use the non-reentrant one.
-    return torch.utils.checkpoint.checkpoint(layer, hidden, rotary, key_padding_mask,
-                                             use_reentrant=hidden.requires_grad, preserve_rng_state=True)
+    return torch.utils.checkpoint.checkpoint(
+        layer, hidden, rotary, key_padding_mask, use_reentrant=hidden.requires_grad, preserve_rng_state=True
+    )

@@ -4,6 +4,7 @@ The newest backup and the one before it are kept, each with a checksum of its co
 damaged on disk (truncated, or bytes changed, which ``torch.load`` may not notice) is reported and
 the previous one is used instead.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,15 +36,22 @@ def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[
     lock = getattr(getattr(optimizer, "state_averager", None), "lock_optimizer", None) or contextlib.nullcontext()
     with lock:
         opt_state = optimizer.state_dict()
-        opt_tensors = [t for state in opt_state["state"].values() if isinstance(state, dict)
-                       for t in state.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        opt_tensors = [
+            t
+            for state in opt_state["state"].values()
+            if isinstance(state, dict)
+            for t in state.values()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ]
         if not all_finite(model.parameters()) or not all_finite(opt_tensors):
-            logger.error("Not writing a backup: parameters or optimizer statistics are NaN/inf; "
-                         "the previous backup is kept")
+            logger.error(
+                "Not writing a backup: parameters or optimizer statistics are NaN/inf; the previous backup is kept"
+            )
             return None
         path = Path(output_dir) / BACKUP_NAME
-        payload = dict(model=model.state_dict(), optimizer=opt_state, schema=_schema(model),
-                       epoch=optimizer.local_epoch)
+        payload = dict(
+            model=model.state_dict(), optimizer=opt_state, schema=_schema(model), epoch=optimizer.local_epoch
+        )
         payload["digest"] = tensor_digest(payload)
         if path.exists():  # the newest becomes the previous one; a crash before the next line leaves that one
             os.replace(path, path.with_name(PREVIOUS_BACKUP_NAME))
@@ -85,8 +93,11 @@ def _read_backup(path: Path, model: torch.nn.Module) -> Optional[dict]:
         logger.error("Ignoring the damaged backup %s: its contents do not match its checksum", path)
         return None
     if payload.get("schema") != _schema(model):
-        logger.error("Ignoring the backup %s: it was written for a different model config "
-                     "(use another --output_dir for a different model)", path)
+        logger.error(
+            "Ignoring the backup %s: it was written for a different model config "
+            "(use another --output_dir for a different model)",
+            path,
+        )
         return None
     if not all_finite(payload["model"].values()):
         logger.error("Ignoring the backup %s: it contains NaN/inf parameters", path)

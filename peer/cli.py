@@ -1,4 +1,5 @@
 """``leanhive-trainer`` / ``python run_trainer.py``: parse, build, run, shut down in ``finally``."""
+
 from __future__ import annotations
 
 import sys
@@ -26,8 +27,18 @@ Values come from the dataclass defaults, then the --config preset, then the flag
 
 def build_parser() -> DataclassArgumentParser:
     return DataclassArgumentParser(
-        [NetworkArguments, CollaborationArguments, OptimizerArguments, TrainingArguments, DataArguments,
-         EventArguments], preset_dirs=[RUN_PRESETS_DIR], prog="leanhive-trainer", description=DESCRIPTION)
+        [
+            NetworkArguments,
+            CollaborationArguments,
+            OptimizerArguments,
+            TrainingArguments,
+            DataArguments,
+            EventArguments,
+        ],
+        preset_dirs=[RUN_PRESETS_DIR],
+        prog="leanhive-trainer",
+        description=DESCRIPTION,
+    )
 
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> TrainerConfig:
@@ -40,8 +51,9 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> TrainerConfig:
         check_tokenizer_fits(load_tokenizer(data), model_config.vocab_size)
     except (OSError, ValueError) as e:
         parser.error(str(e))
-    return TrainerConfig(network=network, collaboration=collaboration, optimizer=optimizer,
-                         training=training, data=data, events=events)
+    return TrainerConfig(
+        network=network, collaboration=collaboration, optimizer=optimizer, training=training, data=data, events=events
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None, *, peer_class: Type[TrainerPeer] = TrainerPeer) -> int:

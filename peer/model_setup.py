@@ -1,4 +1,5 @@
 """Build the model a trainer trains: config preset, deterministic init, memory options, device, precision."""
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,11 @@ def choose_placement(args: TrainingArguments) -> Placement:
 
 def apply_memory_options(model: torch.nn.Module, args: TrainingArguments) -> None:
     """The one place where memory options are applied to a built model (model/ owns how)."""
-    options = {name: getattr(args, name) for name in ("checkpoint_layers", "custom_ffn", "custom_attention",
-                                                      "loss_chunk_size") if getattr(args, name) is not None}
+    options = {
+        name: getattr(args, name)
+        for name in ("checkpoint_layers", "custom_ffn", "custom_attention", "loss_chunk_size")
+        if getattr(args, name) is not None
+    }
     if options:
         model_memory_options(model, **options)
         logger.info("Memory options: %s", ", ".join(f"{k}={v}" for k, v in options.items()))

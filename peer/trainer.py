@@ -5,6 +5,7 @@ builds the model, optimizer and data; ``run()`` trains until ``max_epochs``, a s
 SIGTERM) or an error; ``shutdown()`` writes a backup and leaves the swarm. Entry points call them in
 that order, with ``shutdown()`` in ``finally``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -120,11 +121,18 @@ class TrainerPeer:
         if self.placement.uses_grad_scaler:
             self.grad_scaler = hivemind.GradScaler()
         self.optimizer = build_optimizer(
-            model=self.model, dht=self.dht, run_id=net.run_id, signing_key=swarm.signing_key,
-            batch_size_per_step=self.batch_size_per_step, collab=self.config.collaboration,
-            optim=self.config.optimizer, client_mode=net.client_mode,
+            model=self.model,
+            dht=self.dht,
+            run_id=net.run_id,
+            signing_key=swarm.signing_key,
+            batch_size_per_step=self.batch_size_per_step,
+            collab=self.config.collaboration,
+            optim=self.config.optimizer,
+            client_mode=net.client_mode,
             # hivemind's GradScaler unscales the accumulated gradients only when they live in .grad
-            reuse_grad_buffers=self.grad_scaler is not None, grad_averager_class=self.grad_averager_class)
+            reuse_grad_buffers=self.grad_scaler is not None,
+            grad_averager_class=self.grad_averager_class,
+        )
         self._build_data()
         self._join()
 
@@ -140,15 +148,17 @@ class TrainerPeer:
         check_tokenizer_fits(tokenizer, self.model.config.vocab_size)  # parse_config checked it already
         stream = build_train_dataset(data, tokenizer, peer_seed=_peer_seed(self.dht))
         schedule = SequenceLengthSchedule(data)
-        self._batches = make_batches(stream, self.config.training.per_device_batch_size,
-                                     lambda: schedule.length_at(self.optimizer.local_epoch))
+        self._batches = make_batches(
+            stream, self.config.training.per_device_batch_size, lambda: schedule.length_at(self.optimizer.local_epoch)
+        )
 
     def _join(self) -> None:
         train, collab = self.config.training, self.config.collaboration
         restored = backup.load_backup(train.output_dir, self.model, self.optimizer)
         if restored:
-            events.emit("state_loaded", epoch=self.optimizer.local_epoch, source="backup", reason="join",
-                        path=str(restored))
+            events.emit(
+                "state_loaded", epoch=self.optimizer.local_epoch, source="backup", reason="join", path=str(restored)
+            )
         wait_for_swarm(self.optimizer, self.dht, self.config.network.run_id, collab)
         from_swarm = join_swarm(self.optimizer, self.dht, self.config.network.run_id, collab)
         if not restored and self.optimizer.local_epoch == 0:
@@ -171,8 +181,14 @@ class TrainerPeer:
                 logger.info("Reached max_epochs=%d: stopping", max_epochs)
                 events.emit("max_epochs_reached", epoch=self.optimizer.local_epoch)
                 self._finish_pending_updates()
-                final_barrier(self.optimizer, self.dht, self.config.network.run_id, max_epochs,
-                              self.config.collaboration, stop=self.stop_requested)
+                final_barrier(
+                    self.optimizer,
+                    self.dht,
+                    self.config.network.run_id,
+                    max_epochs,
+                    self.config.collaboration,
+                    stop=self.stop_requested,
+                )
                 break
             if self.watchdog is not None and self.watchdog.wait_while_isolated(self.stop_requested):
                 resync_with_swarm(self.optimizer)
@@ -232,25 +248,51 @@ class TrainerPeer:
     def _count_skipped(self, stats: EpochStats) -> None:
         stats.skipped_steps += 1
         self.skipped_steps_total += 1
-        logger.warning("Skipping local step %d: NaN/inf loss or gradients (%d skipped so far)",
-                       self.local_step, self.skipped_steps_total)
+        logger.warning(
+            "Skipping local step %d: NaN/inf loss or gradients (%d skipped so far)",
+            self.local_step,
+            self.skipped_steps_total,
+        )
 
     def _log_progress(self, loss: float, stats: EpochStats) -> None:
         tracker = self.optimizer.tracker
-        logger.info("step %d | loss %.4f | %.1f samples/s | local epoch %d | global epoch %d | peers online %d",
-                    self.local_step, loss, stats.samples_per_second(), self.optimizer.local_epoch,
-                    tracker.global_epoch, max(tracker.global_progress.num_peers, 1))
+        logger.info(
+            "step %d | loss %.4f | %.1f samples/s | local epoch %d | global epoch %d | peers online %d",
+            self.local_step,
+            loss,
+            stats.samples_per_second(),
+            self.optimizer.local_epoch,
+            tracker.global_epoch,
+            max(tracker.global_progress.num_peers, 1),
+        )
 
     # ----------------------------------------------------------------------------- epoch boundary
 
     def _end_epoch(self, stats: EpochStats) -> None:
         new_epoch = self.optimizer.local_epoch
-        logger.info("Global epoch %d done: loss %.4f over %d micro-steps, %d samples at %.1f samples/s, "
-                    "%d steps, %d skipped -> now at epoch %d (lr %.3g)", stats.epoch, stats.mean_loss(),
-                    stats.mini_steps, stats.samples, stats.samples_per_second(), stats.steps,
-                    stats.skipped_steps, new_epoch, self.optimizer.opt.param_groups[0]["lr"])
-        events.emit("epoch_done", epoch=stats.epoch, loss=stats.mean_loss(), mini_steps=stats.mini_steps,
-                    samples=stats.samples, steps=stats.steps, skipped=stats.skipped_steps, now_at=new_epoch)
+        logger.info(
+            "Global epoch %d done: loss %.4f over %d micro-steps, %d samples at %.1f samples/s, "
+            "%d steps, %d skipped -> now at epoch %d (lr %.3g)",
+            stats.epoch,
+            stats.mean_loss(),
+            stats.mini_steps,
+            stats.samples,
+            stats.samples_per_second(),
+            stats.steps,
+            stats.skipped_steps,
+            new_epoch,
+            self.optimizer.opt.param_groups[0]["lr"],
+        )
+        events.emit(
+            "epoch_done",
+            epoch=stats.epoch,
+            loss=stats.mean_loss(),
+            mini_steps=stats.mini_steps,
+            samples=stats.samples,
+            steps=stats.steps,
+            skipped=stats.skipped_steps,
+            now_at=new_epoch,
+        )
         self._publish(stats)
         self._after_update(new_epoch)
 
@@ -265,12 +307,22 @@ class TrainerPeer:
     def _publish(self, stats: EpochStats) -> None:
         if stats.mini_steps == 0 or not math.isfinite(stats.loss_sum):
             return
-        metrics = LocalMetrics(epoch=stats.epoch, samples_per_second=float(stats.samples_per_second()),
-                               samples_accumulated=stats.samples, loss=float(stats.loss_sum),
-                               mini_steps=stats.mini_steps, samples_total=self.samples_total,
-                               time=float(get_dht_time()))
-        publish_metrics(self.dht, self.config.network.run_id, self.public_key, metrics,
-                        expiration=self.config.collaboration.metrics_expiration)
+        metrics = LocalMetrics(
+            epoch=stats.epoch,
+            samples_per_second=float(stats.samples_per_second()),
+            samples_accumulated=stats.samples,
+            loss=float(stats.loss_sum),
+            mini_steps=stats.mini_steps,
+            samples_total=self.samples_total,
+            time=float(get_dht_time()),
+        )
+        publish_metrics(
+            self.dht,
+            self.config.network.run_id,
+            self.public_key,
+            metrics,
+            expiration=self.config.collaboration.metrics_expiration,
+        )
 
     def _parameters_ok(self) -> bool:
         """After an update: NaN/inf parameters are replaced from the swarm or the local backup (False then)."""
@@ -279,22 +331,27 @@ class TrainerPeer:
         logger.error("Parameters became NaN/inf after the update at epoch %d; recovering", self.optimizer.local_epoch)
         # peers online are ahead of any local backup, so they are asked first
         if self.optimizer.tracker.global_progress.num_peers > 1 or count_other_state_sharing_peers(
-                self.dht, self.config.network.run_id):
+            self.dht, self.config.network.run_id
+        ):
             # the others may be a moment behind, still applying the epoch this peer just finished
             attempts = self.config.collaboration.load_state_attempts
             if download_state(self.optimizer, attempts) and all_finite(self.model.parameters()):
                 logger.info("Recovered by loading the swarm's state (global epoch %d)", self.optimizer.local_epoch)
-                events.emit("state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="recovery",
-                            path=None)
+                events.emit(
+                    "state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="recovery", path=None
+                )
                 return False
         restored = backup.load_backup(self.config.training.output_dir, self.model, self.optimizer)
         if restored:
             logger.info("Recovered from the local backup (global epoch %d)", self.optimizer.local_epoch)
-            events.emit("state_loaded", epoch=self.optimizer.local_epoch, source="backup", reason="recovery",
-                        path=str(restored))
+            events.emit(
+                "state_loaded", epoch=self.optimizer.local_epoch, source="backup", reason="recovery", path=str(restored)
+            )
             return False
-        raise RuntimeError("parameters are NaN/inf and neither the swarm's state nor a local backup could "
-                           "replace them; restart the peer with peers online or a healthy --output_dir backup")
+        raise RuntimeError(
+            "parameters are NaN/inf and neither the swarm's state nor a local backup could "
+            "replace them; restart the peer with peers online or a healthy --output_dir backup"
+        )
 
     # ---------------------------------------------------------------------------------- shutdown
 

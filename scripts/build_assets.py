@@ -8,6 +8,7 @@ The corpus is the SQLite documentation (public domain) from Debian's ``sqlite3-d
 
 Running it twice gives byte-identical files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,19 +29,21 @@ DOC_SUBDIR = Path("usr/share/doc/sqlite3")
 COPYRIGHT_FILE = Path("usr/share/doc/sqlite3-doc/copyright")
 
 # Pages that are indexes, changelogs, generated requirement lists or duplicates, not prose.
-EXCLUDED_PAGES = frozenset({
-    "capi3ref.html",  # the C API reference, one long generated list
-    "changes.html",
-    "chronology.html",
-    "doc_backlink_crossref.html",
-    "doc_keyword_crossref.html",
-    "doc_pagelink_crossref.html",
-    "fileformat.html",  # identical to fileformat2.html
-    "oldnews.html",
-    "opcode.html",
-    "requirements.html",
-    "syntaxdiagrams.html",
-})
+EXCLUDED_PAGES = frozenset(
+    {
+        "capi3ref.html",  # the C API reference, one long generated list
+        "changes.html",
+        "chronology.html",
+        "doc_backlink_crossref.html",
+        "doc_keyword_crossref.html",
+        "doc_pagelink_crossref.html",
+        "fileformat.html",  # identical to fileformat2.html
+        "oldnews.html",
+        "opcode.html",
+        "requirements.html",
+        "syntaxdiagrams.html",
+    }
+)
 MIN_WORDS_PER_PARAGRAPH = 8  # shorter blocks are menus, headings and table cells
 MIN_CHARS_PER_DOCUMENT = 200
 BOILERPLATE_PREFIXES = ("This page last modified", "See also:")
@@ -59,8 +62,29 @@ SPECIAL_TOKENS = {
     "sep_token": "[SEP]",
 }
 
-_BLOCK_TAGS = frozenset({"p", "h1", "h2", "h3", "h4", "h5", "li", "dd", "dt", "blockquote", "div",
-                         "td", "th", "tr", "table", "ul", "ol", "br", "hr"})
+_BLOCK_TAGS = frozenset(
+    {
+        "p",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "li",
+        "dd",
+        "dt",
+        "blockquote",
+        "div",
+        "td",
+        "th",
+        "tr",
+        "table",
+        "ul",
+        "ol",
+        "br",
+        "hr",
+    }
+)
 _SKIPPED_TAGS = frozenset({"script", "style", "svg", "pre", "head", "title", "noscript"})
 
 
@@ -181,7 +205,7 @@ def _package_version(package_root: Path) -> str:
 def write_readme(path: Path, package_root: Path, train: list[Document], validation: list[Document]):
     notice = (package_root / COPYRIGHT_FILE).read_text(encoding="utf-8")
     upstream = notice.split("Files: debian/*")[0].strip()
-    license_block = notice[notice.rindex("License: public-domain"):].strip()
+    license_block = notice[notice.rindex("License: public-domain") :].strip()
     sizes = {name: (ASSETS / "corpus" / name).stat().st_size for name in ("train.txt", "validation.txt")}
     lines = [
         "# Shipped corpus: the SQLite documentation",
@@ -209,7 +233,7 @@ def write_readme(path: Path, package_root: Path, train: list[Document], validati
         "",
         "Text of block elements (`p`, `li`, `td`, ...) only; code (`pre`), diagrams (`svg`), scripts and",
         f"tables of contents dropped; whitespace collapsed; paragraphs shorter than {MIN_WORDS_PER_PARAGRAPH} words",
-        "(menus, headings) and \"last modified\"/\"See also\" lines dropped; repeated paragraphs kept once.",
+        '(menus, headings) and "last modified"/"See also" lines dropped; repeated paragraphs kept once.',
         "One paragraph per line, documents (pages) separated by a blank line.",
         "",
         "## Splits",
@@ -267,8 +291,12 @@ def build_tokenizer():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("package_root", nargs="?", type=Path,
-                        help="folder made by `dpkg -x sqlite3-doc_*.deb DIR`; omit to retrain only the tokenizer")
+    parser.add_argument(
+        "package_root",
+        nargs="?",
+        type=Path,
+        help="folder made by `dpkg -x sqlite3-doc_*.deb DIR`; omit to retrain only the tokenizer",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.package_root is not None:

@@ -6,6 +6,7 @@
 Prints the dashboard URL, one line per global epoch (loss, peers online, throughput) and a summary at the
 end; then stops every peer cleanly (SIGTERM: trainers write a backup and leave) and leaves no process behind.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,14 +31,16 @@ logger = logging.getLogger("leanhive.demo")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--duration", type=float, default=180.0, help="seconds to train before stopping (default: 180)")
     parser.add_argument("--trainers", type=int, default=2, help="number of trainer peers (default: 2)")
     parser.add_argument("--run_id", default="leanhive_demo", help="collaboration name (default: leanhive_demo)")
     parser.add_argument("--config", default="tiny", help="run preset for every peer (default: tiny)")
-    parser.add_argument("--workdir", default="outputs/demo",
-                        help="logs, backups and checkpoints go here (default: outputs/demo)")
+    parser.add_argument(
+        "--workdir", default="outputs/demo", help="logs, backups and checkpoints go here (default: outputs/demo)"
+    )
     parser.add_argument("--metrics_port", type=int, default=0, help="dashboard/metrics port (default: a free one)")
     parser.add_argument("--checkpoint_every", type=int, default=2, help="aux checkpoint period in epochs (default: 2)")
     args = parser.parse_args(argv)
@@ -63,8 +66,13 @@ class Peer:
         self.name, self.log_path = name, log_path
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(log_path, "wb") as log:
-            self.process = subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], stdout=log,
-                                            stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            self.process = subprocess.Popen(
+                [sys.executable, str(ROOT / script), *map(str, args)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+            )
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -79,8 +87,9 @@ class Peer:
                 break
             time.sleep(0.5)
         tail = "\n".join(self.log_text().splitlines()[-15:])
-        raise RuntimeError(f"{self.name} did not get ready (exit code {self.process.poll()}); "
-                           f"last lines of {self.log_path}:\n{tail}")
+        raise RuntimeError(
+            f"{self.name} did not get ready (exit code {self.process.poll()}); last lines of {self.log_path}:\n{tail}"
+        )
 
 
 def fetch_state(url: str):
@@ -127,34 +136,57 @@ def run(args: argparse.Namespace) -> int:
     epochs_seen = {}
     state = None
     try:
-        aux = Peer("aux", "run_aux_peer.py",
-                   [*common, "--metrics_host", "127.0.0.1", "--metrics_port", port,
-                    "--checkpoint_dir", workdir / "checkpoints", "--checkpoint_every", args.checkpoint_every,
-                    "--refresh_period", 2],
-                   workdir / "aux.log")
+        aux = Peer(
+            "aux",
+            "run_aux_peer.py",
+            [
+                *common,
+                "--metrics_host",
+                "127.0.0.1",
+                "--metrics_port",
+                port,
+                "--checkpoint_dir",
+                workdir / "checkpoints",
+                "--checkpoint_every",
+                args.checkpoint_every,
+                "--refresh_period",
+                2,
+            ],
+            workdir / "aux.log",
+        )
         peers.append(aux)
         join = aux.wait_for(JOIN_RE, timeout=120).group(1).split()
         logger.info("Aux peer is up. Dashboard: %s  (Prometheus metrics: %smetrics)", url, url)
         logger.info("Others can join with: --run_id %s --initial_peers %s", args.run_id, " ".join(join))
         for i in range(1, args.trainers + 1):
-            peers.append(Peer(f"trainer{i}", "run_trainer.py",
-                              [*common, "--initial_peers", *join, "--output_dir", workdir / f"trainer{i}",
-                               "--torch_threads", 1],
-                              workdir / f"trainer{i}.log"))
+            peers.append(
+                Peer(
+                    f"trainer{i}",
+                    "run_trainer.py",
+                    [*common, "--initial_peers", *join, "--output_dir", workdir / f"trainer{i}", "--torch_threads", 1],
+                    workdir / f"trainer{i}.log",
+                )
+            )
         logger.info("Started %d trainers; training for %.0f s (logs in %s)", args.trainers, args.duration, workdir)
         deadline = time.monotonic() + args.duration
         while time.monotonic() < deadline:
             for peer in peers:
                 if peer.process.poll() is not None:
-                    raise RuntimeError(f"{peer.name} exited early with code {peer.process.returncode}; "
-                                       f"see {peer.log_path}")
+                    raise RuntimeError(
+                        f"{peer.name} exited early with code {peer.process.returncode}; see {peer.log_path}"
+                    )
             state = fetch_state(url) or state
             for epoch in (state or {}).get("swarm", {}).get("epochs", []):
                 if epoch["epoch"] not in epochs_seen and epoch.get("loss") is not None and math.isfinite(epoch["loss"]):
                     epochs_seen[epoch["epoch"]] = epoch["loss"]
                     swarm = state["swarm"]
-                    logger.info("epoch %3d | loss %.4f | peers online %d | swarm %.1f samples/s",
-                                epoch["epoch"], epoch["loss"], swarm["alive_peers"], swarm["samples_per_second"])
+                    logger.info(
+                        "epoch %3d | loss %.4f | peers online %d | swarm %.1f samples/s",
+                        epoch["epoch"],
+                        epoch["loss"],
+                        swarm["alive_peers"],
+                        swarm["samples_per_second"],
+                    )
             time.sleep(2.0)
         state = fetch_state(url) or state
     finally:
@@ -166,15 +198,24 @@ def run(args: argparse.Namespace) -> int:
         return 1
     first, last = min(epochs_seen), max(epochs_seen)
     checkpoint = (state or {}).get("checkpoint") or {}
-    logger.info("Summary: %d global epochs (%d..%d), loss %.4f -> %.4f, last checkpoint: %s", len(epochs_seen),
-                first, last, epochs_seen[first], epochs_seen[last],
-                f"epoch {checkpoint['epoch']} at {checkpoint['path']}" if checkpoint else "none yet")
+    logger.info(
+        "Summary: %d global epochs (%d..%d), loss %.4f -> %.4f, last checkpoint: %s",
+        len(epochs_seen),
+        first,
+        last,
+        epochs_seen[first],
+        epochs_seen[last],
+        f"epoch {checkpoint['epoch']} at {checkpoint['path']}" if checkpoint else "none yet",
+    )
     return 0
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=os.environ.get("LEANHIVE_LOGLEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=os.environ.get("LEANHIVE_LOGLEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
     args = parse_args(argv)
     try:
         return run(args)

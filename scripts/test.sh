@@ -3,5 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
 bash scripts/setup_env.sh --test
-.venv/bin/ruff check .  # lint first: a style error fails in seconds, not after the suite
+# lint and format check first: a style error fails in seconds, not after the suite
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest "$@"

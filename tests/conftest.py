@@ -1,4 +1,5 @@
 """Shared fixtures: every test leaves no child process behind (hivemind DHT/averager processes, p2pd)."""
+
 import logging
 import os
 

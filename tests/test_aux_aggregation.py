@@ -1,4 +1,5 @@
 """Aggregation of trainers' LocalMetrics records into per-epoch swarm numbers and a leaderboard."""
+
 import math
 
 import pytest
@@ -10,8 +11,15 @@ A, B, C = b"[owner:key-a]", b"[owner:key-b]", b"[owner:key-c]"
 
 
 def rec(epoch, loss, steps, samples, sps, total, t):
-    return LocalMetrics(epoch=epoch, loss=float(loss), mini_steps=steps, samples_accumulated=samples,
-                        samples_per_second=float(sps), samples_total=total, time=float(t))
+    return LocalMetrics(
+        epoch=epoch,
+        loss=float(loss),
+        mini_steps=steps,
+        samples_accumulated=samples,
+        samples_per_second=float(sps),
+        samples_total=total,
+        time=float(t),
+    )
 
 
 def test_summarize_epoch_weights_loss_by_micro_steps():

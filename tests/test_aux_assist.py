@@ -2,6 +2,7 @@
 contributing no data), training still converges, and once every trainer is gone (killed mid-round) it
 offers its newest verified checkpoint, so a new trainer continues from it.
 """
+
 import pytest
 
 from tests.support.aux import RUN_ID, api_state, free_port, peer_report, start_aux, swarm_processes, wait_for
@@ -24,8 +25,11 @@ def test_assisting_aux_joins_averaging_and_restores_an_emptied_swarm(tmp_path):
         # the aux peer takes part in the trainers' gradient all-reduce (in a group with one or both of them:
         # hivemind's matchmaking decides who meets whom)
         aux.wait_for(r"Averaged gradients with [23] peers", timeout=150)
-        wait_for(lambda: len(api_state(url)["swarm"]["epochs"]) >= 10 and api_state(url)["checkpoint"], timeout=180,
-                 what="ten epochs of metrics and a checkpoint")
+        wait_for(
+            lambda: len(api_state(url)["swarm"]["epochs"]) >= 10 and api_state(url)["checkpoint"],
+            timeout=180,
+            what="ten epochs of metrics and a checkpoint",
+        )
         epochs = [e for e in api_state(url)["swarm"]["epochs"] if e["loss"] is not None]
         assert epochs[-1]["loss"] < epochs[0]["loss"] - 0.25, [round(e["loss"], 3) for e in epochs]
         old_peers = {p["peer"] for p in api_state(url)["swarm"]["peers"]}
@@ -36,7 +40,8 @@ def test_assisting_aux_joins_averaging_and_restores_an_emptied_swarm(tmp_path):
         served = int(aux.events.wait("offering_checkpoint", timeout=60)["epoch"])
         newcomer = start_trainer(tmp_path, "trainer3", RUN_ID, initial_peers=addrs)
         procs.append(newcomer)
-        _, epoch, loss = wait_for(lambda: peer_report(url, old_peers), timeout=120,
-                                  what="the new trainer's first metrics")
+        _, epoch, loss = wait_for(
+            lambda: peer_report(url, old_peers), timeout=120, what="the new trainer's first metrics"
+        )
         assert epoch >= served > 0
         assert abs(loss - last_loss) < abs(loss - first_loss)

@@ -1,4 +1,5 @@
 """Checkpoint write / verify / rotate / corrupt-handling on a tiny model (no swarm)."""
+
 import json
 import logging
 import time
@@ -9,8 +10,14 @@ import torch
 from aux_monitor.checkpoints import MANIFEST, OPTIMIZER_FILE, CheckpointError, CheckpointManager, TrainingState
 from model import LeanGPTForCausalLM, LeanTransformerConfig
 
-TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=64)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
 
 
 def trained_state(epoch: int, seed: int = 0) -> TrainingState:
@@ -23,8 +30,14 @@ def trained_state(epoch: int, seed: int = 0) -> TrainingState:
     model(ids, labels=ids).loss.backward()
     opt.step()
     sched.step()
-    return TrainingState(model=model, optimizer_state=opt.state_dict(), scheduler_state=sched.state_dict(),
-                         epoch=epoch, loss=3.5 + epoch, time=time.time())
+    return TrainingState(
+        model=model,
+        optimizer_state=opt.state_dict(),
+        scheduler_state=sched.state_dict(),
+        epoch=epoch,
+        loss=3.5 + epoch,
+        time=time.time(),
+    )
 
 
 def manager(tmp_path, keep=3):

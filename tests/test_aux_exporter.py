@@ -1,4 +1,5 @@
 """Prometheus text exposition of the monitor's state."""
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,19 +19,28 @@ def parse(text: str) -> dict:
 
 def swarm_state(**extra) -> MonitorState:
     records = {
-        b"[owner:a]": LocalMetrics(epoch=4, loss=6.0, mini_steps=3, samples_accumulated=24,
-                                   samples_per_second=12.5, samples_total=96, time=100.0),
-        b"[owner:b]": LocalMetrics(epoch=4, loss=2.0, mini_steps=1, samples_accumulated=8,
-                                   samples_per_second=2.5, samples_total=40, time=99.0),
+        b"[owner:a]": LocalMetrics(
+            epoch=4,
+            loss=6.0,
+            mini_steps=3,
+            samples_accumulated=24,
+            samples_per_second=12.5,
+            samples_total=96,
+            time=100.0,
+        ),
+        b"[owner:b]": LocalMetrics(
+            epoch=4, loss=2.0, mini_steps=1, samples_accumulated=8, samples_per_second=2.5, samples_total=40, time=99.0
+        ),
     }
     snapshot = MetricsAggregator(alive_window=60).update(records, now=101.0)
-    return MonitorState(run_id="r", initial_peers="--initial_peers /ip4/127.0.0.1/tcp/1/p2p/X", swarm=snapshot,
-                        **extra)
+    return MonitorState(run_id="r", initial_peers="--initial_peers /ip4/127.0.0.1/tcp/1/p2p/X", swarm=snapshot, **extra)
 
 
 def test_metric_names_values_and_types():
-    state = swarm_state(checkpoint=CheckpointInfo(epoch=3, time=90.0, path="/ckpt/epoch_000003"),
-                        evaluation=EvalResult(epoch=3, loss=2.0, perplexity=7.389, time=95.0))
+    state = swarm_state(
+        checkpoint=CheckpointInfo(epoch=3, time=90.0, path="/ckpt/epoch_000003"),
+        evaluation=EvalResult(epoch=3, loss=2.0, perplexity=7.389, time=95.0),
+    )
     text = render_metrics(make_registry(lambda: state)).decode()
     samples = parse(text)
     assert samples[("leanhive_alive_peers", ())] == 2
@@ -57,8 +67,12 @@ def test_unknown_values_are_left_out_rather_than_faked():
     samples = parse(render_metrics(make_registry(lambda: state)).decode())
     names = {name for name, _ in samples}
     assert samples[("leanhive_alive_peers", ())] == 0
-    assert not names & {"leanhive_loss", "leanhive_global_epoch", "leanhive_last_checkpoint_epoch",
-                        "leanhive_eval_loss"}
+    assert not names & {
+        "leanhive_loss",
+        "leanhive_global_epoch",
+        "leanhive_last_checkpoint_epoch",
+        "leanhive_eval_loss",
+    }
 
 
 def test_peers_that_leave_are_no_longer_exported():

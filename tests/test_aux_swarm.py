@@ -8,6 +8,7 @@
 3. aux stopped, newest checkpoint corrupted, aux restarted with --resume: it says so, uses the
    previous one, deletes nothing, and a trainer joining the otherwise empty swarm continues from it.
 """
+
 import json
 import math
 import time
@@ -53,7 +54,8 @@ def check_dashboard_matches_metrics(url, tmp_path):
         assert float(dom.value("loss")) == pytest.approx(metrics[("leanhive_loss", ())], rel=1e-12)
         assert dom.text("loss") == f"{metrics[('leanhive_loss', ())]:.4f}".rstrip("0").rstrip(".")
         assert float(dom.value("samples-per-second")) == pytest.approx(
-            metrics[("leanhive_samples_per_second", ())], rel=1e-12)
+            metrics[("leanhive_samples_per_second", ())], rel=1e-12
+        )
         assert int(dom.value("samples-total")) == metrics[("leanhive_samples_total", ())]
         if ("leanhive_last_checkpoint_epoch", ()) in metrics:
             assert int(dom.value("checkpoint-epoch")) == metrics[("leanhive_last_checkpoint_epoch", ())]
@@ -61,10 +63,14 @@ def check_dashboard_matches_metrics(url, tmp_path):
         if ("leanhive_eval_loss", ()) in metrics:
             assert float(dom.value("eval-loss")) == pytest.approx(metrics[("leanhive_eval_loss", ())], rel=1e-12)
             assert float(dom.value("eval-perplexity")) == pytest.approx(
-                metrics[("leanhive_eval_perplexity", ())], rel=1e-12)
+                metrics[("leanhive_eval_perplexity", ())], rel=1e-12
+            )
         leaderboard = {row["data-peer"]: int(row["data-samples"]) for row in dom.rows}
-        exported = {dict(labels)["peer"]: value for (name, labels), value in metrics.items()
-                    if name == "leanhive_peer_samples_total"}
+        exported = {
+            dict(labels)["peer"]: value
+            for (name, labels), value in metrics.items()
+            if name == "leanhive_peer_samples_total"
+        }
         assert leaderboard == exported and len(leaderboard) == 2
         assert dom.text("initial-peers").startswith("--initial_peers /ip4/127.0.0.1/")
         assert int(dom.by_id["loss-chart"]["data-points"]) >= 3
@@ -97,8 +103,12 @@ def test_aux_peer_with_trainers(tmp_path):
         aux.events.wait("serving", timeout=120)
         started = time.time()
 
-        wait_for(lambda: scrape(url + "/metrics").get(("leanhive_global_epoch", ()), -1) >= 9, timeout=240,
-                 interval=1, what="the swarm to report epoch 9")
+        wait_for(
+            lambda: scrape(url + "/metrics").get(("leanhive_global_epoch", ()), -1) >= 9,
+            timeout=240,
+            interval=1,
+            what="the swarm to report epoch 9",
+        )
         metrics = scrape(url + "/metrics")
         assert metrics[("leanhive_alive_peers", ())] == 2
         assert len([k for k in metrics if k[0] == "leanhive_peer_samples_total"]) == 2
@@ -107,8 +117,11 @@ def test_aux_peer_with_trainers(tmp_path):
         assert recent_loss < first_loss - 0.25, f"loss did not fall: {[round(e['loss'], 3) for e in epochs]}"
 
         # Prometheus scraped the aux peer: its query API returns the loss series, and it falls
-        series = wait_for(lambda: (s := prometheus.query_range("leanhive_loss", time.time() - started + 5))
-                          and len(s) >= 5 and s, timeout=30, what="Prometheus to have the loss series")
+        series = wait_for(
+            lambda: (s := prometheus.query_range("leanhive_loss", time.time() - started + 5)) and len(s) >= 5 and s,
+            timeout=30,
+            what="Prometheus to have the loss series",
+        )
         values = [v for _, v in series]
         assert values[-1] < values[0]
         assert all(math.isfinite(v) for v in values)
@@ -116,8 +129,11 @@ def test_aux_peer_with_trainers(tmp_path):
         assert alive and alive[-1][1] == 2
 
         # evaluation of the swarm's state on the shipped validation split is published too
-        metrics = wait_for(lambda: (m := scrape(url + "/metrics")).get(("leanhive_eval_loss", ())) and m, timeout=60,
-                           what="an evaluation")
+        metrics = wait_for(
+            lambda: (m := scrape(url + "/metrics")).get(("leanhive_eval_loss", ())) and m,
+            timeout=60,
+            what="an evaluation",
+        )
         assert metrics[("leanhive_eval_epoch", ())] >= 4
         assert metrics[("leanhive_eval_perplexity", ())] == pytest.approx(math.exp(metrics[("leanhive_eval_loss", ())]))
         assert metrics[("leanhive_eval_loss", ())] < math.log(4096)  # the model learnt something
@@ -140,15 +156,18 @@ def test_aux_peer_with_trainers(tmp_path):
             trainer.kill()
         checkpointed = api_state(url)["checkpoint"]["epoch"]
 
-        newcomer = start_trainer(tmp_path, "trainer3", RUN_ID, initial_peers=addrs,
-                                 extra=["--backup_every_epochs", "1"])
+        newcomer = start_trainer(
+            tmp_path, "trainer3", RUN_ID, initial_peers=addrs, extra=["--backup_every_epochs", "1"]
+        )
         procs.append(newcomer)
-        label, epoch, loss = wait_for(lambda: peer_report(url, old_peers), timeout=120,
-                                      what="the new trainer's first metrics")
+        label, epoch, loss = wait_for(
+            lambda: peer_report(url, old_peers), timeout=120, what="the new trainer's first metrics"
+        )
         assert epoch >= checkpointed > 0, "the new trainer started from scratch instead of the checkpoint"
         assert abs(loss - last_loss) < abs(loss - first_loss), (
             f"new trainer's loss {loss:.3f} is not near where training stopped "
-            f"({last_loss:.3f}; start {first_loss:.3f})")
+            f"({last_loss:.3f}; start {first_loss:.3f})"
+        )
 
         # an aux checkpoint taken from the new trainer equals that trainer's own parameters at that epoch
         backups = {}
@@ -160,8 +179,13 @@ def test_aux_peer_with_trainers(tmp_path):
                 if epoch_ > checkpointed and epoch_ in backups:
                     return name, epoch_
             return None
-        name, epoch = wait_for(matching_checkpoint, timeout=120, interval=0.2,
-                               what="an aux checkpoint at an epoch the new trainer backed up")
+
+        name, epoch = wait_for(
+            matching_checkpoint,
+            timeout=120,
+            interval=0.2,
+            what="an aux checkpoint at an epoch the new trainer backed up",
+        )
         saved = LeanGPTForCausalLM.from_pretrained(tmp_path / "ckpt" / name).state_dict()
         trainer_params = backups[epoch]
         assert saved.keys() == trainer_params.keys()
@@ -180,8 +204,11 @@ def test_aux_peer_with_trainers(tmp_path):
 
         aux2 = start_aux("aux_resumed", tmp_path, port, "--resume")
         procs.append(aux2)
-        aux2.events.wait("state_loaded", timeout=120, where=lambda e: e["source"] == "checkpoint"
-                         and e["reason"] == "resume" and Path(e["path"]) == previous)
+        aux2.events.wait(
+            "state_loaded",
+            timeout=120,
+            where=lambda e: e["source"] == "checkpoint" and e["reason"] == "resume" and Path(e["path"]) == previous,
+        )
         aux2.events.wait("serving", timeout=60)
         log = aux2.log()
         assert f"Checkpoint {newest} is corrupt" in log
@@ -189,8 +216,11 @@ def test_aux_peer_with_trainers(tmp_path):
 
         joiner = start_trainer(tmp_path, "trainer4", RUN_ID, initial_peers=aux2.initial_peers(timeout=120))
         procs.append(joiner)
-        _, epoch, loss = wait_for(lambda: peer_report(url, set()), timeout=120,
-                                  what="the trainer that joined the resumed aux to publish metrics")
+        _, epoch, loss = wait_for(
+            lambda: peer_report(url, set()),
+            timeout=120,
+            what="the trainer that joined the resumed aux to publish metrics",
+        )
         assert epoch >= previous_epoch > 0
         assert abs(loss - previous_loss) < abs(loss - first_loss)
         assert newest.name in checkpoint_dirs(tmp_path), "the damaged checkpoint must be left for inspection"

@@ -3,6 +3,7 @@
 No performance assertions: the benchmark measures, these tests check that what it counts is right
 and that one command produces the table, the JSON rows and the chart.
 """
+
 import json
 import subprocess
 import sys
@@ -23,13 +24,13 @@ FLOAT = 4  # bytes per fp32 element
 def test_live_peak_counts_each_storage_once_until_freed():
     x = torch.randn(1000)
     with memlib.LiveTensorPeak(memlib.storage_keys([x])) as live:
-        a = x * 2                     # +4000
-        b = a + 1                     # +4000 -> 8000 (peak)
-        del a                         # -4000
-        c = b.exp()                   # +4000 -> 8000
-        b.add_(1)                     # in place: same storage
-        view = c.view(10, 100)        # view: same storage
-        x.mul_(3)                     # excluded storage
+        a = x * 2  # +4000
+        b = a + 1  # +4000 -> 8000 (peak)
+        del a  # -4000
+        c = b.exp()  # +4000 -> 8000
+        b.add_(1)  # in place: same storage
+        view = c.view(10, 100)  # view: same storage
+        x.mul_(3)  # excluded storage
         del b, c
         assert live.current_bytes == 1000 * FLOAT  # the view keeps c's storage alive
         del view
@@ -90,12 +91,15 @@ def test_hf_gpt2_eager_saved_bytes_match_the_analytic_count():
     assert per_layer_per_token == expected
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"size": "huge"}, "valid sizes"),
-    ({"steps": 0}, "--steps"),
-    ({"variants": ("lean_fast",)}, "valid:"),
-    ({"depth_layers": (48, 4)}, "SHALLOW < DEEP"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"size": "huge"}, "valid sizes"),
+        ({"steps": 0}, "--steps"),
+        ({"variants": ("lean_fast",)}, "valid:"),
+        ({"depth_layers": (48, 4)}, "SHALLOW < DEEP"),
+    ],
+)
 def test_config_rejects_bad_values_with_a_hint(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MemoryBenchConfig(**kwargs)
@@ -104,9 +108,29 @@ def test_config_rejects_bad_values_with_a_hint(kwargs, message):
 def test_cli_smoke_tiny(tmp_path):
     json_path, plot_path = tmp_path / "rows.json", tmp_path / "chart.png"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory", "--size", "tiny", "--steps", "1", "--warmup", "0",
-         "--threads", "1", "--depth-layers", "2,6", "--json", str(json_path), "--plot", str(plot_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.memory",
+            "--size",
+            "tiny",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--depth-layers",
+            "2,6",
+            "--json",
+            str(json_path),
+            "--plot",
+            str(plot_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert result.returncode == 0, result.stderr
     assert "| variant | saved KiB/layer/token" in result.stdout
@@ -121,8 +145,13 @@ def test_cli_smoke_tiny(tmp_path):
             assert isinstance(row["saved_bytes_per_layer_per_token"], (int, float))
             assert row["activation_peak_bytes"] > 0 and row["step_seconds"] > 0
     measured = {row["variant"]: row for row in rows if row["skipped"] is None}
-    assert {"hf_gpt2_eager", "hf_gpt2_sdpa", "hf_gpt2_eager_ckpt", "hf_gpt2_sdpa_ckpt",
-            "lean_default"} <= measured.keys()
+    assert {
+        "hf_gpt2_eager",
+        "hf_gpt2_sdpa",
+        "hf_gpt2_eager_ckpt",
+        "hf_gpt2_sdpa_ckpt",
+        "lean_default",
+    } <= measured.keys()
     assert measured["hf_gpt2_eager"]["saved_ratio"] == 1.0
     assert measured["lean_default"]["memory_reference"] == "hf_gpt2_eager"
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -131,10 +160,31 @@ def test_cli_smoke_tiny(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback of --device cuda")
 def test_cli_cuda_request_falls_back_to_cpu_and_says_so(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory", "--size", "tiny", "--steps", "1", "--warmup", "0",
-         "--threads", "1", "--device", "cuda", "--variants", "hf_gpt2_sdpa", "--depth-layers", "1,2",
-         "--plot", str(tmp_path / "chart.png")],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.memory",
+            "--size",
+            "tiny",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--device",
+            "cuda",
+            "--variants",
+            "hf_gpt2_sdpa",
+            "--depth-layers",
+            "1,2",
+            "--plot",
+            str(tmp_path / "chart.png"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert result.returncode == 0, result.stderr
     assert "CUDA requested but not available: running on CPU." in result.stdout

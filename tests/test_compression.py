@@ -1,4 +1,5 @@
 """Every hivemind compression the project uses must round-trip (numpy 2.4 breaks hivemind 1.1.12's 8-bit codecs)."""
+
 import numpy as np
 import pytest
 import torch

@@ -1,4 +1,5 @@
 """The aux peer's HTTP endpoint alone: JSON API, /metrics, and the dashboard rendered by headless Chromium."""
+
 import json
 
 import pytest
@@ -16,14 +17,32 @@ def sample_state() -> MonitorState:
     agg = MetricsAggregator(alive_window=60)
     for epoch in range(4):  # a falling loss over four epochs, two trainers
         records = {
-            b"[owner:a]": LocalMetrics(epoch=epoch, loss=4.0 * (6 - epoch), mini_steps=4, samples_accumulated=32,
-                                       samples_per_second=20.25, samples_total=32 * (epoch + 1), time=100.0 + epoch),
-            b"[owner:b]": LocalMetrics(epoch=epoch, loss=1.0 * (6 - epoch), mini_steps=1, samples_accumulated=8,
-                                       samples_per_second=5.5, samples_total=8 * (epoch + 1), time=100.5 + epoch),
+            b"[owner:a]": LocalMetrics(
+                epoch=epoch,
+                loss=4.0 * (6 - epoch),
+                mini_steps=4,
+                samples_accumulated=32,
+                samples_per_second=20.25,
+                samples_total=32 * (epoch + 1),
+                time=100.0 + epoch,
+            ),
+            b"[owner:b]": LocalMetrics(
+                epoch=epoch,
+                loss=1.0 * (6 - epoch),
+                mini_steps=1,
+                samples_accumulated=8,
+                samples_per_second=5.5,
+                samples_total=8 * (epoch + 1),
+                time=100.5 + epoch,
+            ),
         }
         snapshot = agg.update(records, now=101.0 + epoch)
-    return MonitorState(run_id="demo<run>", initial_peers=JOIN, swarm=snapshot,
-                        checkpoint=CheckpointInfo(epoch=2, time=1_700_000_000.0, path="/data/ckpt/epoch_000002"))
+    return MonitorState(
+        run_id="demo<run>",
+        initial_peers=JOIN,
+        swarm=snapshot,
+        checkpoint=CheckpointInfo(epoch=2, time=1_700_000_000.0, path="/data/ckpt/epoch_000002"),
+    )
 
 
 @pytest.fixture
@@ -87,8 +106,11 @@ def test_browser_shows_the_same_numbers_as_metrics(server, tmp_path):
     assert dom.text("initial-peers") == JOIN
 
     shown = {row["data-peer"]: int(row["data-samples"]) for row in dom.rows}
-    exported = {dict(labels)["peer"]: value for (name, labels), value in metrics.items()
-                if name == "leanhive_peer_samples_total"}
+    exported = {
+        dict(labels)["peer"]: value
+        for (name, labels), value in metrics.items()
+        if name == "leanhive_peer_samples_total"
+    }
     assert shown == exported and len(shown) == 2
     assert [row["data-peer"] for row in dom.rows] == [peer_label(b"[owner:a]"), peer_label(b"[owner:b]")]
 

@@ -1,4 +1,5 @@
 """Data pipeline: shipped corpus and tokenizer, packing, per-peer shuffling, warm-up, sources, errors."""
+
 import collections
 import itertools
 import json
@@ -104,7 +105,7 @@ def test_train_stream_packs_every_document_once_per_pass_and_reshuffles(tmp_path
     n_blocks = 3 * per_pass // args.max_sequence_length
     tokens = _flat(itertools.islice(stream, n_blocks))  # blocks cross document and pass boundaries
     first_pass = _split_at_eos(tokens[:per_pass], tokenizer.eos_token_id)
-    second_pass = _split_at_eos(tokens[per_pass: 2 * per_pass], tokenizer.eos_token_id)
+    second_pass = _split_at_eos(tokens[per_pass : 2 * per_pass], tokenizer.eos_token_id)
     assert collections.Counter(first_pass) == reference
     assert collections.Counter(second_pass) == reference
     assert first_pass != second_pass, "each pass must be reshuffled"
@@ -114,8 +115,12 @@ def test_peer_seeds_give_different_orders_and_the_same_seed_the_same_order(token
     args = DataArguments()
 
     def first_blocks(peer_seed, n=20):
-        return torch.stack([b["input_ids"] for b in itertools.islice(
-            data.build_train_dataset(args, tokenizer, peer_seed=peer_seed), n)])
+        return torch.stack(
+            [
+                b["input_ids"]
+                for b in itertools.islice(data.build_train_dataset(args, tokenizer, peer_seed=peer_seed), n)
+            ]
+        )
 
     peer_a = first_blocks(0)
     assert torch.equal(peer_a, first_blocks(0))
@@ -130,8 +135,9 @@ def test_peer_seeds_give_different_orders_and_the_same_seed_the_same_order(token
 
 
 def test_sequence_length_schedule_grows_linearly_in_multiples_of_8_and_caps():
-    schedule = SequenceLengthSchedule(DataArguments(max_sequence_length=128, seq_warmup_start_length=32,
-                                                    seq_warmup_epochs=100))
+    schedule = SequenceLengthSchedule(
+        DataArguments(max_sequence_length=128, seq_warmup_start_length=32, seq_warmup_epochs=100)
+    )
     assert schedule.enabled
     lengths = [schedule.length_at(epoch) for epoch in range(0, 130)]
     assert lengths[0] == 32 and schedule.length_at(50) == 80 and lengths[100] == 128
@@ -140,8 +146,15 @@ def test_sequence_length_schedule_grows_linearly_in_multiples_of_8_and_caps():
     assert len(set(lengths)) == (128 - 32) // 8 + 1  # every multiple of 8 on the way is used
 
 
-@pytest.mark.parametrize("overrides", [dict(seq_warmup_start_length=0), dict(seq_warmup_start_length=128),
-                                       dict(seq_warmup_start_length=512), dict(seq_warmup_epochs=0)])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(seq_warmup_start_length=0),
+        dict(seq_warmup_start_length=128),
+        dict(seq_warmup_start_length=512),
+        dict(seq_warmup_epochs=0),
+    ],
+)
 def test_sequence_length_schedule_disabled(overrides):
     schedule = SequenceLengthSchedule(DataArguments(max_sequence_length=128, **overrides))
     assert not schedule.enabled
@@ -195,8 +208,10 @@ def test_local_txt_and_jsonl_with_custom_text_column(tmp_path, tokenizer):
     txt_args = DataArguments(dataset=str(tmp_path / "notes.txt"), max_sequence_length=8)
     txt_tokens = _flat(itertools.islice(data.build_train_dataset(txt_args, tokenizer, peer_seed=0), 6))
     assert set(_split_at_eos(txt_tokens[:20], tokenizer.eos_token_id)) <= set(
-        _split_at_eos(_reference_tokens(tokenizer, ["Alpha paragraph one.", "Beta paragraph two."]),
-                      tokenizer.eos_token_id))
+        _split_at_eos(
+            _reference_tokens(tokenizer, ["Alpha paragraph one.", "Beta paragraph two."]), tokenizer.eos_token_id
+        )
+    )
 
     jsonl_args = DataArguments(dataset=str(tmp_path / "*.jsonl"), text_column="body", max_sequence_length=8)
     stream = data.build_train_dataset(jsonl_args, tokenizer, peer_seed=0)
@@ -226,18 +241,21 @@ def test_folder_dataset_is_loaded_like_a_hub_name_streamed(tmp_path, tokenizer):
 # Errors that say how to fix the input
 
 
-@pytest.mark.parametrize("overrides, error, match", [
-    (dict(dataset="/no/such/corpus.txt"), FileNotFoundError, "does not exist"),
-    (dict(dataset="./missing_folder"), FileNotFoundError, "does not exist"),
-    (dict(dataset="/no/such/dir/*.jsonl"), FileNotFoundError, "no file matches"),
-    (dict(dataset=""), ValueError, "shipped"),
-    (dict(dataset_config="wikitext-2-raw-v1"), ValueError, "only to Hugging Face dataset names"),
-    (dict(seq_warmup_start_length=20), ValueError, "multiple of 8"),
-    (dict(seq_warmup_epochs=-1), ValueError, "seq_warmup_epochs"),
-    (dict(max_sequence_length=0), ValueError, "max_sequence_length"),
-    (dict(text_sample_by="sentence"), ValueError, "paragraph"),
-    (dict(shuffle_buffer_size=0), ValueError, "shuffle_buffer_size"),
-])
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (dict(dataset="/no/such/corpus.txt"), FileNotFoundError, "does not exist"),
+        (dict(dataset="./missing_folder"), FileNotFoundError, "does not exist"),
+        (dict(dataset="/no/such/dir/*.jsonl"), FileNotFoundError, "no file matches"),
+        (dict(dataset=""), ValueError, "shipped"),
+        (dict(dataset_config="wikitext-2-raw-v1"), ValueError, "only to Hugging Face dataset names"),
+        (dict(seq_warmup_start_length=20), ValueError, "multiple of 8"),
+        (dict(seq_warmup_epochs=-1), ValueError, "seq_warmup_epochs"),
+        (dict(max_sequence_length=0), ValueError, "max_sequence_length"),
+        (dict(text_sample_by="sentence"), ValueError, "paragraph"),
+        (dict(shuffle_buffer_size=0), ValueError, "shuffle_buffer_size"),
+    ],
+)
 def test_bad_arguments_are_rejected_with_a_fix(overrides, error, match):
     with pytest.raises(error, match=match):
         DataArguments(**overrides)

@@ -1,4 +1,5 @@
 """The Docker image, entry point and compose file, tested without a Docker engine (none runs here)."""
+
 import json
 import os
 import re
@@ -36,8 +37,18 @@ def test_dockerfile_one_image_for_both_roles(dockerfile):
     assert instructions(dockerfile, "HEALTHCHECK"), "a healthcheck is required"
     assert "docker/entrypoint.sh" in instructions(dockerfile, "ENTRYPOINT")[0]
     copied = " ".join(instructions(dockerfile, "COPY"))
-    for path in ("pyproject.toml", "scripts/", "model/", "peer/", "aux_monitor/", "configs/",
-                 "run_trainer.py", "run_aux_peer.py", "docker/entrypoint.sh", "docker/healthcheck.py"):
+    for path in (
+        "pyproject.toml",
+        "scripts/",
+        "model/",
+        "peer/",
+        "aux_monitor/",
+        "configs/",
+        "run_trainer.py",
+        "run_aux_peer.py",
+        "docker/entrypoint.sh",
+        "docker/healthcheck.py",
+    ):
         assert path in copied, f"{path} is not copied into the image"
 
 
@@ -58,8 +69,14 @@ def test_dockerfile_installs_from_the_same_source_as_the_readme(dockerfile):
 
 def _run_entrypoint(*args, env=None, timeout=120):
     full_env = {**os.environ, "LEANHIVE_PYTHON": sys.executable, **(env or {})}
-    return subprocess.run(["bash", str(DOCKER / "entrypoint.sh"), *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        ["bash", str(DOCKER / "entrypoint.sh"), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.parametrize("role,script_flag", [("trainer", "--max_epochs"), ("aux", "--checkpoint_every")])
@@ -103,9 +120,14 @@ def test_peer_address_helper_matches_the_dht_peer_id(tmp_path):
         f"identity_path={str(tmp_path / 'id.key')!r})\n"
         "print(dht.peer_id.to_base58()); dht.shutdown()\n"
     )
-    peer_id = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                             check=True).stdout.split()[-1]
-    address = subprocess.run([sys.executable, str(DOCKER / "peer_address.py"), "aux", "31337",
-                              str(tmp_path / "id.key")],
-                             capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    peer_id = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()[-1]
+    address = subprocess.run(
+        [sys.executable, str(DOCKER / "peer_address.py"), "aux", "31337", str(tmp_path / "id.key")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
     assert address == f"/dns4/aux/tcp/31337/p2p/{peer_id}"

@@ -3,6 +3,7 @@ backup files (i). Real hivemind peers on 127.0.0.1; no root needed; about 1-2 mi
 
 The scenarios live in tests/support/faults/scenarios.py; ``python -m benchmarks.faults`` prints them as a table.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -6,6 +6,7 @@ machine; needs root and iproute2 for network namespaces). The default run skips 
 (tests/test_faults_fast.py, tests/test_faults_watchdog.py, tests/test_faults_units.py) always runs.
 ``python -m benchmarks.faults`` runs the same scenarios and prints the results table.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,10 @@ FULL_FAULTS_ENV = "LEANHIVE_FULL_FAULTS"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get(FULL_FAULTS_ENV, "") in ("", "0"),
-                       reason=f"slow fault scenarios over emulated links: set {FULL_FAULTS_ENV}=1 to run them"),
+    pytest.mark.skipif(
+        os.environ.get(FULL_FAULTS_ENV, "") in ("", "0"),
+        reason=f"slow fault scenarios over emulated links: set {FULL_FAULTS_ENV}=1 to run them",
+    ),
     netns_skip_marker(),
 ]
 

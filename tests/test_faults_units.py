@@ -1,6 +1,7 @@
 """Unit tests of the robustness parts: bounded averaging (peer.swarm.robust), the allowlist and its authorizer
 (peer.swarm.auth), the record size limit (peer.swarm.hivemind_seam), backup checksums (peer.swarm.tensors).
 No network; seconds."""
+
 from __future__ import annotations
 
 import asyncio
@@ -64,8 +65,9 @@ def test_reducer_returns_the_bounded_mean_to_every_sender():
     async def run():
         reducer = BoundedPartReducer([torch.Size([50])], num_senders=3, clip_factor=4.0)
         parts = [torch.randn(50), torch.randn(50), torch.full((50,), float("nan"))]
-        results = await asyncio.gather(*(reducer.accumulate_part(i, 0, part, weight=1.0)
-                                         for i, part in enumerate(parts)))
+        results = await asyncio.gather(
+            *(reducer.accumulate_part(i, 0, part, weight=1.0) for i, part in enumerate(parts))
+        )
         return parts, results
 
     parts, results = asyncio.run(run())
@@ -94,9 +96,12 @@ def test_allowlist_file_is_parsed_and_bad_lines_are_explained(tmp_path):
     assert allowlist.public_keys == {alice.get_public_key().to_bytes()}
     assert allowlist.peer_ids == {"QmWW4sfqXLirY6pqhDybpeJLvxG3ZqKvHWHejdrrWcetoe"}
 
-    for text, message in [("", "lists no peer"), ("Qm123 ssh-rsa\n", "line 1: expected"),
-                          ("notapeer ssh-rsa AAAA\n", "line 1: not a valid peer ID"),
-                          (f"{_line('a', alice)}\nQmX dsa-key AAAA\n", "line 2: expected")]:
+    for text, message in [
+        ("", "lists no peer"),
+        ("Qm123 ssh-rsa\n", "line 1: expected"),
+        ("notapeer ssh-rsa AAAA\n", "line 1: not a valid peer ID"),
+        (f"{_line('a', alice)}\nQmX dsa-key AAAA\n", "line 2: expected"),
+    ]:
         path.write_text(text)
         with pytest.raises(AuthorizationError, match=message):
             Allowlist.load(path)
@@ -115,8 +120,9 @@ def test_authorizer_accepts_listed_signed_requests_only(tmp_path):
     path.write_text(f"{_line('alice', alice)}\n{_line('bob', bob)}\n")
     allowlist = Allowlist.load(path)
     as_alice, as_bob = AllowlistAuthorizer(alice, allowlist), AllowlistAuthorizer(bob, allowlist)
-    as_mallory = AllowlistAuthorizer(mallory, Allowlist(allowlist.peer_ids, allowlist.public_keys | {
-        mallory.get_public_key().to_bytes()}))  # mallory lists herself, bob does not
+    as_mallory = AllowlistAuthorizer(
+        mallory, Allowlist(allowlist.peer_ids, allowlist.public_keys | {mallory.get_public_key().to_bytes()})
+    )  # mallory lists herself, bob does not
 
     async def run():
         request = dht_pb2.PingRequest()

@@ -3,6 +3,7 @@ own (without it they stay apart for good: see tests/test_netem_harness.py, which
 
 Needs root and iproute2; skipped otherwise. Part of the fast subset (about 30 s).
 """
+
 from __future__ import annotations
 
 import time
@@ -42,16 +43,19 @@ def test_partitioned_dht_peers_rejoin_by_themselves():
         # failed requests on both sides empty both routing tables (hivemind evicts and bans the other peer)
         dht_b.store(key + "-during", "during", timeout=5)
         assert dht_a.get(key + "-during", timeout=5) is None
-        assert _poll(lambda: dht_a.watchdog()["isolated"] and dht_b.watchdog()["isolated"], timeout=30), \
+        assert _poll(lambda: dht_a.watchdog()["isolated"] and dht_b.watchdog()["isolated"], timeout=30), (
             "both peers should notice they are cut off"
+        )
 
         tb.heal(a)
         # no manual re-join: the watchdogs ping the lost peers until they answer
-        assert _poll(lambda: dht_a.get(key + "-during", timeout=5) == "during", timeout=45), \
+        assert _poll(lambda: dht_a.get(key + "-during", timeout=5) == "during", timeout=45), (
             "the partitioned peer did not re-join after the partition healed"
+        )
         for agent in (dht_a, dht_b):  # a watchdog notices at its next check (1 s)
-            assert _poll(lambda: (lambda s: not s["isolated"] and s["rejoins"] >= 1)(agent.watchdog()), timeout=10), \
+            assert _poll(lambda: (lambda s: not s["isolated"] and s["rejoins"] >= 1)(agent.watchdog()), timeout=10), (
                 agent.watchdog()
+            )
         assert dht_b.store(key + "-after", "after", timeout=10)
         assert dht_a.get(key + "-after", timeout=10) == "after"
         close_agents([dht_a, dht_b])

@@ -1,4 +1,5 @@
 """The linear-layer factory and parameter sharing: shared matrices with per-layer adapters."""
+
 import copy
 
 import pytest
@@ -33,8 +34,9 @@ def _dense_weight(shared: SharedMatrix) -> torch.Tensor:
 def _two_layers(core: dict, adapter_dim: int = 2):
     torch.manual_seed(0)
     shared = make_shared_matrix(32, 64, **core, **F64)
-    layers = nn.ModuleList([make_linear(32, 64, shared=shared, adapter_dim=adapter_dim, **core, **F64)
-                            for _ in range(2)])
+    layers = nn.ModuleList(
+        [make_linear(32, 64, shared=shared, adapter_dim=adapter_dim, **core, **F64) for _ in range(2)]
+    )
     return shared, layers
 
 
@@ -124,8 +126,9 @@ def test_adapted_layer_matches_dense_reference_including_gradients(core):
     torch.testing.assert_close(out, reference, rtol=0, atol=1e-12)
     inputs = [x] + list(layer.parameters())
     grad_out = torch.randn_like(out)
-    for grad, reference_grad in zip(torch.autograd.grad(out, inputs, grad_out),
-                                    torch.autograd.grad(reference, inputs, grad_out)):
+    for grad, reference_grad in zip(
+        torch.autograd.grad(out, inputs, grad_out), torch.autograd.grad(reference, inputs, grad_out)
+    ):
         assert ((grad - reference_grad).norm() / reference_grad.norm()).item() <= 1e-6
 
 
@@ -202,6 +205,9 @@ def test_meta_device_construction(kwargs):
 
 
 def test_built_directly_in_the_requested_dtype():
-    for module in (make_linear(32, 64, **F64), make_linear(32, 64, block_size=8, lowrank_dim=2, **F64),
-                   make_linear(32, 64, shared=make_shared_matrix(32, 64, **F64), adapter_dim=2)):
+    for module in (
+        make_linear(32, 64, **F64),
+        make_linear(32, 64, block_size=8, lowrank_dim=2, **F64),
+        make_linear(32, 64, shared=make_shared_matrix(32, 64, **F64), adapter_dim=2),
+    ):
         assert all(param.dtype == torch.float64 for param in module.parameters())

@@ -1,4 +1,5 @@
 """Config validation, presets and load_config."""
+
 import json
 
 import pytest

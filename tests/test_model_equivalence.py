@@ -2,6 +2,7 @@
 architecture (float64, relative error <= 1e-6): custom FFN/attention on and off, checkpointing, the
 reversible stack (vs revlib with plain autograd), sharing, adapters, PixelFly, GeGLU, sandwich norm,
 rotary/absolute positions, dropout with a fixed seed and padding."""
+
 import pytest
 import torch
 
@@ -30,8 +31,15 @@ ARCHITECTURES = {
     "reversible": dict(reversible=True),
     "reversible_dropout_sandwich": dict(reversible=True, norm_scheme="sandwich", **DROPOUT),
     "reversible_shared_pixelfly": dict(reversible=True, block_size=8, share_large_matrices=True, adapter_dim=4),
-    "everything": dict(gated_ffn=True, norm_scheme="sandwich", position_embedding_type="absolute",
-                       num_hidden_layers=4, num_hidden_groups=2, fp32_residual=True, **DROPOUT),
+    "everything": dict(
+        gated_ffn=True,
+        norm_scheme="sandwich",
+        position_embedding_type="absolute",
+        num_hidden_layers=4,
+        num_hidden_groups=2,
+        fp32_residual=True,
+        **DROPOUT,
+    ),
 }
 
 MEMORY_MODES = {
@@ -59,18 +67,23 @@ def _gpt(config, memory):
 
 
 # checkpointing does not apply to a reversible stack (combining them raises, see test_model_heads.py)
-COMBINATIONS = [(architecture, memory) for architecture in ARCHITECTURES for memory in MEMORY_MODES
-                if not (ARCHITECTURES[architecture].get("reversible")
-                        and MEMORY_MODES[memory].get("checkpoint_layers"))]
+COMBINATIONS = [
+    (architecture, memory)
+    for architecture in ARCHITECTURES
+    for memory in MEMORY_MODES
+    if not (ARCHITECTURES[architecture].get("reversible") and MEMORY_MODES[memory].get("checkpoint_layers"))
+]
 
 
 @pytest.mark.parametrize("architecture,memory", COMBINATIONS)
 def test_gpt_matches_plain_reference(architecture, memory):
     config = small_config(**ARCHITECTURES[architecture])
     model, reference = with_plain_reference(_gpt(config, MEMORY_MODES[memory]))
-    assert_same_loss_and_grads(model, reference, **_batch(padded=architecture in ("default", "dropout",
-                                                                                   "reversible_dropout_sandwich",
-                                                                                   "everything")))
+    assert_same_loss_and_grads(
+        model,
+        reference,
+        **_batch(padded=architecture in ("default", "dropout", "reversible_dropout_sandwich", "everything")),
+    )
 
 
 @pytest.mark.parametrize("architecture", ["default", "dropout", "reversible_dropout_sandwich", "absolute"])
@@ -86,8 +99,11 @@ def test_chunked_loss_matches_full_logits(loss_chunk_size):
     assert_same_loss_and_grads(model, reference, **_batch(padded=True))
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(reversible=True, **DROPOUT), dict(block_size=8, embedding_size=16)],
-                         ids=["default", "reversible_dropout", "pixelfly_factorized"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, dict(reversible=True, **DROPOUT), dict(block_size=8, embedding_size=16)],
+    ids=["default", "reversible_dropout", "pixelfly_factorized"],
+)
 def test_albert_matches_plain_reference(overrides):
     config = small_config(attention_type="bidirectional", type_vocab_size=2, **overrides)
     model, reference = with_plain_reference(randomize(LeanAlbertForPreTraining(config).double()).train())
@@ -95,9 +111,15 @@ def test_albert_matches_plain_reference(overrides):
     labels = torch.full_like(batch["input_ids"], -100)
     labels[:, 2:12:3] = batch["input_ids"][:, 2:12:3]
     token_type_ids = (torch.arange(16) >= 8).long().expand(2, 16)
-    assert_same_loss_and_grads(model, reference, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                               token_type_ids=token_type_ids, labels=labels,
-                               sentence_order_label=torch.tensor([0, 1]))
+    assert_same_loss_and_grads(
+        model,
+        reference,
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        token_type_ids=token_type_ids,
+        labels=labels,
+        sentence_order_label=torch.tensor([0, 1]),
+    )
 
 
 def test_dropout_is_active_and_seeded():

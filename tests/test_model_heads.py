@@ -1,5 +1,6 @@
 """Model-level behaviour: causal masking, padding, save/load through the Auto classes, building on a
 target device/dtype, the fp32 residual stream under autocast, and apply_memory_options."""
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForPreTraining
@@ -21,8 +22,11 @@ def _gpt(custom=True, **overrides):
 
 
 @pytest.mark.parametrize("custom", [True, False])
-@pytest.mark.parametrize("overrides", [{}, dict(reversible=True), dict(position_embedding_type="absolute")],
-                         ids=["default", "reversible", "absolute"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, dict(reversible=True), dict(position_embedding_type="absolute")],
+    ids=["default", "reversible", "absolute"],
+)
 def test_future_tokens_do_not_change_earlier_logits(custom, overrides):
     model = _gpt(custom, **overrides)
     ids = _ids()
@@ -80,18 +84,23 @@ def test_albert_outputs_mlm_and_sop_losses():
     ids = _ids()
     labels = torch.full_like(ids, -100)
     labels[:, 3] = ids[:, 3]
-    output = model(input_ids=ids, token_type_ids=torch.zeros_like(ids), labels=labels,
-                   sentence_order_label=torch.tensor([0, 1]))
+    output = model(
+        input_ids=ids, token_type_ids=torch.zeros_like(ids), labels=labels, sentence_order_label=torch.tensor([0, 1])
+    )
     assert torch.allclose(output.loss, output.mlm_loss + output.sop_loss)
     assert output.sop_logits.shape == (2, 2) and output.prediction_logits is None
     assert model(input_ids=ids).prediction_logits.shape == (2, SEQ, VOCAB)
 
 
-@pytest.mark.parametrize("head,auto_class,overrides", [
-    ("gpt", AutoModelForCausalLM, {}),
-    ("gpt", AutoModelForCausalLM, dict(share_large_matrices=True, adapter_dim=4, block_size=8, reversible=True)),
-    ("albert", AutoModelForPreTraining, dict(attention_type="bidirectional", num_hidden_groups=1)),
-], ids=["gpt", "gpt_shared_pixelfly", "albert"])
+@pytest.mark.parametrize(
+    "head,auto_class,overrides",
+    [
+        ("gpt", AutoModelForCausalLM, {}),
+        ("gpt", AutoModelForCausalLM, dict(share_large_matrices=True, adapter_dim=4, block_size=8, reversible=True)),
+        ("albert", AutoModelForPreTraining, dict(attention_type="bidirectional", num_hidden_groups=1)),
+    ],
+    ids=["gpt", "gpt_shared_pixelfly", "albert"],
+)
 def test_save_and_load_round_trip_through_auto_classes(tmp_path, head, auto_class, overrides):
     model_class = LeanGPTForCausalLM if head == "gpt" else LeanAlbertForPreTraining
     model = randomize(model_class(small_config(**overrides))).eval()
@@ -122,8 +131,11 @@ def test_build_on_meta_device_and_in_target_dtype():
 
 def _sublayer_input_dtypes(model, run):
     dtypes = []
-    hooks = [module.register_forward_pre_hook(lambda module, args: dtypes.append(args[0].dtype))
-             for module in model.modules() if isinstance(module, (LeanSelfAttention, LeanFFN))]
+    hooks = [
+        module.register_forward_pre_hook(lambda module, args: dtypes.append(args[0].dtype))
+        for module in model.modules()
+        if isinstance(module, (LeanSelfAttention, LeanFFN))
+    ]
     try:
         run()
     finally:
@@ -153,8 +165,9 @@ def test_fp32_residual_under_autocast_matches_plain_path():
     for custom in (True, False):
         apply_memory_options(model, custom_ffn=custom, custom_attention=custom)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            dtypes = _sublayer_input_dtypes(model, lambda: losses.__setitem__(custom, model(input_ids=ids, labels=ids)
-                                                                              .loss))
+            dtypes = _sublayer_input_dtypes(
+                model, lambda: losses.__setitem__(custom, model(input_ids=ids, labels=ids).loss)
+            )
         assert dtypes == {torch.float32}
         losses[custom].backward()
     assert torch.allclose(losses[True], losses[False], rtol=1e-2)
@@ -181,8 +194,11 @@ def test_reversible_backward_recomputes_under_the_forward_autocast_state():
     model = LeanGPTForCausalLM(small_config(reversible=True))
     ids = _ids()
     states = []
-    hooks = [module.register_forward_pre_hook(lambda *_: states.append(torch.is_autocast_enabled("cpu")))
-             for module in model.modules() if isinstance(module, (LeanSelfAttention, LeanFFN))]
+    hooks = [
+        module.register_forward_pre_hook(lambda *_: states.append(torch.is_autocast_enabled("cpu")))
+        for module in model.modules()
+        if isinstance(module, (LeanSelfAttention, LeanFFN))
+    ]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
     forward_calls = len(states)

@@ -1,6 +1,7 @@
 """What the memory paths keep for backward (saved_tensors_hooks): custom attention keeps no (seq x seq)
 tensor, custom FFN keeps only its input and pre-activation, checkpointing one hidden state per layer,
 and the reversible stack nothing per layer."""
+
 import pytest
 import torch
 
@@ -29,8 +30,11 @@ def _attention_args(padding: bool):
     return rotary, mask
 
 
-@pytest.mark.parametrize("options", [{}, dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1),
-                                     dict(attention_type="bidirectional")], ids=["default", "dropout", "bidirectional"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1), dict(attention_type="bidirectional")],
+    ids=["default", "dropout", "bidirectional"],
+)
 @pytest.mark.parametrize("padding", [False, True])
 def test_custom_attention_saves_no_seq_by_seq_tensor(options, padding):
     config = small_config(**options)
@@ -50,8 +54,9 @@ def test_custom_attention_saves_no_seq_by_seq_tensor(options, padding):
     assert any(shape.count(SEQ) == 2 for shape in plain.shapes)
 
 
-@pytest.mark.parametrize("options", [{}, dict(gated_ffn=True), dict(hidden_dropout_prob=0.1)],
-                         ids=["gelu", "geglu", "dropout"])
+@pytest.mark.parametrize(
+    "options", [{}, dict(gated_ffn=True), dict(hidden_dropout_prob=0.1)], ids=["gelu", "geglu", "dropout"]
+)
 def test_custom_ffn_saves_only_input_and_pre_activation(options):
     config = small_config(**options)
     ffn = LeanFFN(config).double().train()
@@ -108,8 +113,11 @@ def test_chunked_loss_never_materialises_full_logits():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for tensor in out if isinstance(out, (tuple, list)) else [out]:
-                if (isinstance(tensor, torch.Tensor) and tensor.shape[-1:] == (vocab,)
-                        and tensor.untyped_storage().data_ptr() not in parameter_storages):
+                if (
+                    isinstance(tensor, torch.Tensor)
+                    and tensor.shape[-1:] == (vocab,)
+                    and tensor.untyped_storage().data_ptr() not in parameter_storages
+                ):
                     largest.append(tensor.numel() // vocab)
             return out
 

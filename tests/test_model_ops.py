@@ -1,5 +1,6 @@
 """torch.autograd.gradcheck on every custom autograd Function, and the attention cores against the
 plain reference (float64)."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -51,32 +52,76 @@ def test_ffn_function_gradcheck(variant, gated):
     inner = 6
     up = _projection(HIDDEN, inner * (2 if gated else 1), variant == "generic_projection")
     down = _projection(inner, HIDDEN, variant == "generic_projection")
-    spec = FFNSpec(up=up, down=down, activation="gelu", gated=gated, eps=1e-5, dropout_p=0.3,
-                   dropout_seed=1234 if variant == "dropout" else None, residual=variant != "no_residual",
-                   compute=COMPUTE)
-    inputs = (_input(), *_norm_params(), *_norm_params(variant == "sandwich"), spec,
-              *projection_params(up), *projection_params(down))
+    spec = FFNSpec(
+        up=up,
+        down=down,
+        activation="gelu",
+        gated=gated,
+        eps=1e-5,
+        dropout_p=0.3,
+        dropout_seed=1234 if variant == "dropout" else None,
+        residual=variant != "no_residual",
+        compute=COMPUTE,
+    )
+    inputs = (
+        _input(),
+        *_norm_params(),
+        *_norm_params(variant == "sandwich"),
+        spec,
+        *projection_params(up),
+        *projection_params(down),
+    )
     assert torch.autograd.gradcheck(LeanFFNFunction.apply, inputs)
 
 
-@pytest.mark.parametrize("variant", ["causal", "bidirectional", "padding", "attention_dropout", "hidden_dropout",
-                                     "absolute", "sandwich", "generic_projection", "no_residual"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "causal",
+        "bidirectional",
+        "padding",
+        "attention_dropout",
+        "hidden_dropout",
+        "absolute",
+        "sandwich",
+        "generic_projection",
+        "no_residual",
+    ],
+)
 def test_attention_function_gradcheck(variant):
     torch.manual_seed(0)
     qkv = _projection(HIDDEN, 3 * HIDDEN, variant == "generic_projection")
     out = _projection(HIDDEN, HIDDEN, variant == "generic_projection")
-    spec = AttentionSpec(qkv=qkv, out=out, num_heads=HEADS, causal=variant != "bidirectional", eps=1e-5,
-                         attn_dropout_p=0.3, attn_dropout_seed=99 if variant == "attention_dropout" else None,
-                         dropout_p=0.2, dropout_seed=7 if variant == "hidden_dropout" else None,
-                         residual=variant != "no_residual", compute=COMPUTE)
+    spec = AttentionSpec(
+        qkv=qkv,
+        out=out,
+        num_heads=HEADS,
+        causal=variant != "bidirectional",
+        eps=1e-5,
+        attn_dropout_p=0.3,
+        attn_dropout_seed=99 if variant == "attention_dropout" else None,
+        dropout_p=0.2,
+        dropout_seed=7 if variant == "hidden_dropout" else None,
+        residual=variant != "no_residual",
+        compute=COMPUTE,
+    )
     cos, sin = (None, None) if variant == "absolute" else rotary_tables(SEQ, HIDDEN // HEADS, 10000.0, "cpu", DTYPE)
     mask = None
     if variant in ("padding", "attention_dropout"):
         mask = torch.ones(BATCH, SEQ, dtype=torch.bool)
         mask[0, :2] = False
         mask[1, -1] = False
-    inputs = (_input(), *_norm_params(), *_norm_params(variant == "sandwich"), cos, sin, mask, spec,
-              *projection_params(qkv), *projection_params(out))
+    inputs = (
+        _input(),
+        *_norm_params(),
+        *_norm_params(variant == "sandwich"),
+        cos,
+        sin,
+        mask,
+        spec,
+        *projection_params(qkv),
+        *projection_params(out),
+    )
     assert torch.autograd.gradcheck(LeanAttentionFunction.apply, inputs)
 
 

@@ -4,6 +4,7 @@ and real hivemind DHT peers talking through the proxies.
 Needs root and iproute2 (network namespaces); skipped otherwise. The bandwidth and RTT bounds are
 sanity checks of the harness itself (the links must do what scenario tests will assume).
 """
+
 import os
 import signal
 import statistics
@@ -66,8 +67,13 @@ def test_cleanup_stale_removes_only_dead_runs():
         "import time\nfrom tests.support.netem.hosts import Testbed\n"
         "tb = Testbed(2).__enter__()\nprint(tb.prefix, flush=True)\ntime.sleep(60)\n"
     )
-    orphan = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     prefix = orphan.stdout.readline().strip()
     assert prefix and len(_ours(prefix)) == 3
     with Testbed(1) as live:

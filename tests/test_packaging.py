@@ -5,6 +5,7 @@ build/lib from an older layout leaks into the wheel. It is installed with --no-d
 heavy dependencies (torch, hivemind, ...) come from this venv's site-packages through a .pth line, and the
 CLIs and preset lookups then run from a folder outside the repository with PYTHONPATH unset.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -31,10 +32,12 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def run(command, *, cwd: Path, env=None, timeout: float = 120) -> subprocess.CompletedProcess:
-    result = subprocess.run([str(part) for part in command], cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=timeout)
-    assert result.returncode == 0, (f"{command} exited with {result.returncode}\n"
-                                    f"stdout:\n{result.stdout[-5000:]}\nstderr:\n{result.stderr[-5000:]}")
+    result = subprocess.run(
+        [str(part) for part in command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, (
+        f"{command} exited with {result.returncode}\nstdout:\n{result.stdout[-5000:]}\nstderr:\n{result.stderr[-5000:]}"
+    )
     return result
 
 
@@ -65,10 +68,19 @@ def dependency_dirs() -> list:
 
 def clean_env() -> dict:
     """No PYTHONPATH (nothing may come from the checkout), offline, wide help output (no wrapped paths)."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH", "VIRTUAL_ENV")}
-    env.update(COLUMNS="1000", PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH", "VIRTUAL_ENV")
+    }
+    env.update(
+        COLUMNS="1000",
+        PYTHONNOUSERSITE="1",
+        PYTHONDONTWRITEBYTECODE="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+    )
     return env
 
 
@@ -77,14 +89,30 @@ def installed(tmp_path_factory):
     root = tmp_path_factory.mktemp("packaging")
     source, wheels, env_dir, outside = root / "source", root / "wheels", root / "venv", root / "outside"
     copy_tree(source)
-    build = run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "--no-index",
-                 "-w", wheels, source], cwd=root, timeout=180)
+    build = run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            wheels,
+            source,
+        ],
+        cwd=root,
+        timeout=180,
+    )
     (wheel,) = wheels.glob("leanhive-*.whl")
 
     venv.EnvBuilder(with_pip=False, symlinks=os.name != "nt").create(env_dir)
     python = env_dir / ("Scripts" if os.name == "nt" else "bin") / "python"
-    site_packages = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             cwd=root).stdout.strip()).resolve()
+    site_packages = Path(
+        run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root).stdout.strip()
+    ).resolve()
     # Install before the .pth line exists: otherwise pip would see (and replace) the editable leanhive of the
     # venv running this test. This venv's pip installs into the fresh one (--python), which has no pip.
     run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", wheel], cwd=root)
@@ -92,8 +120,16 @@ def installed(tmp_path_factory):
     # install's finder) are not processed, so peer/model/configs can only come from the installed wheel.
     (site_packages / "leanhive_test_dependencies.pth").write_text("\n".join(dependency_dirs()) + "\n")
     outside.mkdir()
-    return dict(root=root, wheel=wheel, build_output=build.stdout + build.stderr, python=python,
-                bin=python.parent, site_packages=site_packages, outside=outside, env=clean_env())
+    return dict(
+        root=root,
+        wheel=wheel,
+        build_output=build.stdout + build.stderr,
+        python=python,
+        bin=python.parent,
+        site_packages=site_packages,
+        outside=outside,
+        env=clean_env(),
+    )
 
 
 def test_wheel_holds_presets_and_spdx_license(installed):
@@ -102,9 +138,11 @@ def test_wheel_holds_presets_and_spdx_license(installed):
         names = set(wheel.namelist())
         (metadata,) = [name for name in names if name.endswith(".dist-info/METADATA")]
         assert "License-Expression: MIT" in wheel.read(metadata).decode()
-    expected = {path.relative_to(REPO).as_posix() for pattern in ("configs/model/*.json", "configs/run/*.yaml",
-                                                                  "peer/assets/tokenizer/*", "peer/assets/corpus/*")
-                for path in REPO.glob(pattern)}
+    expected = {
+        path.relative_to(REPO).as_posix()
+        for pattern in ("configs/model/*.json", "configs/run/*.yaml", "peer/assets/tokenizer/*", "peer/assets/corpus/*")
+        for path in REPO.glob(pattern)
+    }
     assert {"configs/__init__.py", "configs/model/tiny.json", "configs/run/tiny.yaml"} <= names
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
 

@@ -1,4 +1,5 @@
 """Metrics records in a real DHT: valid signed records are accepted, malformed or forged ones rejected."""
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,15 @@ LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 
 
 def _good_metrics(epoch: int = 3) -> LocalMetrics:
-    return LocalMetrics(epoch=epoch, samples_per_second=12.5, samples_accumulated=64, loss=33.2, mini_steps=4,
-                        samples_total=640, time=float(get_dht_time()))
+    return LocalMetrics(
+        epoch=epoch,
+        samples_per_second=12.5,
+        samples_accumulated=64,
+        loss=33.2,
+        mini_steps=4,
+        samples_total=640,
+        time=float(get_dht_time()),
+    )
 
 
 @pytest.fixture
@@ -31,12 +39,16 @@ def swarm(tmp_path):
         honest = []
         for key in keys:
             validators, public_key = make_validators(RUN_ID, key)
-            args = NetworkArguments(run_id=RUN_ID, host_maddrs=LOCAL,
-                                    initial_peers=[str(a) for a in dhts[0].get_visible_maddrs()] if dhts else [])
+            args = NetworkArguments(
+                run_id=RUN_ID,
+                host_maddrs=LOCAL,
+                initial_peers=[str(a) for a in dhts[0].get_visible_maddrs()] if dhts else [],
+            )
             dhts.append(create_dht(args, validators))
             honest.append((dhts[-1], public_key))
-        rogue = hivemind.DHT(start=True, host_maddrs=LOCAL,
-                             initial_peers=[str(a) for a in dhts[0].get_visible_maddrs()])
+        rogue = hivemind.DHT(
+            start=True, host_maddrs=LOCAL, initial_peers=[str(a) for a in dhts[0].get_visible_maddrs()]
+        )
         dhts.append(rogue)
         yield honest, rogue
     finally:
@@ -63,11 +75,11 @@ def test_signed_valid_record_is_accepted(swarm):
 
 
 MALFORMED = [
-    dict(loss="high"),                  # wrong type
-    dict(epoch=-1),                     # out of range
-    dict(epoch=3.0),                    # number type conversion is not allowed
+    dict(loss="high"),  # wrong type
+    dict(epoch=-1),  # out of range
+    dict(epoch=3.0),  # number type conversion is not allowed
     dict(samples_per_second=float("nan")),
-    dict(unexpected_field=1),           # extra fields are forbidden
+    dict(unexpected_field=1),  # extra fields are forbidden
     dict(mini_steps=None),
 ]
 

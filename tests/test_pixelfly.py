@@ -1,4 +1,5 @@
 """PixelFly layout and block-sparse linear layer: exact against a dense masked reference in float64."""
+
 import copy
 import math
 
@@ -102,11 +103,19 @@ def test_layout_is_built_on_cpu_under_a_meta_device_context():
 
 @pytest.mark.parametrize("in_features,out_features,block_size,stretch", SHAPES)
 @pytest.mark.parametrize("lowrank_dim,bias", [(0, True), (3, True), (0, False)])
-def test_forward_and_gradients_match_dense_masked_reference(in_features, out_features, block_size, stretch,
-                                                            lowrank_dim, bias):
+def test_forward_and_gradients_match_dense_masked_reference(
+    in_features, out_features, block_size, stretch, lowrank_dim, bias
+):
     torch.manual_seed(0)
-    layer = PixelflyLinear(in_features, out_features, block_size=block_size, lowrank_dim=lowrank_dim, bias=bias,
-                           stretch=stretch, dtype=torch.float64)
+    layer = PixelflyLinear(
+        in_features,
+        out_features,
+        block_size=block_size,
+        lowrank_dim=lowrank_dim,
+        bias=bias,
+        stretch=stretch,
+        dtype=torch.float64,
+    )
     _randomize(layer)
     x = torch.randn(2, 3, in_features, dtype=torch.float64, requires_grad=True)
 
@@ -122,8 +131,7 @@ def test_forward_and_gradients_match_dense_masked_reference(in_features, out_fea
     inputs = [x] + list(layer.parameters())
     grads = torch.autograd.grad(out, inputs, grad_out)
     reference_grads = torch.autograd.grad(reference, inputs, grad_out)
-    for name, grad, reference_grad in zip(["input"] + [n for n, _ in layer.named_parameters()], grads,
-                                          reference_grads):
+    for name, grad, reference_grad in zip(["input"] + [n for n, _ in layer.named_parameters()], grads, reference_grads):
         assert _rel_err(grad, reference_grad) <= 1e-6, name
 
 
@@ -261,6 +269,8 @@ def test_backward_saves_only_the_input_and_the_stored_blocks():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         layer(x).sum().backward()
-    assert {t.untyped_storage().data_ptr() for t in saved} == {x.untyped_storage().data_ptr(),
-                                                             layer.weight.untyped_storage().data_ptr()}
+    assert {t.untyped_storage().data_ptr() for t in saved} == {
+        x.untyped_storage().data_ptr(),
+        layer.weight.untyped_storage().data_ptr(),
+    }
     assert sum(t.numel() for t in saved) == x.numel() + layer.weight.numel()

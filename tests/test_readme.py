@@ -14,6 +14,7 @@ Each ```bash block is preceded by a marker saying how to run it:
                                      as a background block, `docker compose -f F up` validates F
 Peers are bound to 127.0.0.1 (README's /ip4/0.0.0.0/ becomes /ip4/127.0.0.1/) so no traffic leaves loopback.
 """
+
 import os
 import re
 import shlex
@@ -47,8 +48,11 @@ def readme_blocks():
         meta = match.group("meta").strip()
         kind = meta.split()[0]
         options = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', meta))
-        commands = [line.strip() for line in match.group("body").splitlines()
-                    if line.strip() and not line.strip().startswith("#")]
+        commands = [
+            line.strip()
+            for line in match.group("body").splitlines()
+            if line.strip() and not line.strip().startswith("#")
+        ]
         blocks.append((kind, options, commands))
     return text, blocks
 
@@ -60,16 +64,18 @@ def test_every_shell_block_in_the_readme_is_covered():
     assert kinds <= {"quickstart", "run", "setup", "background", "docker"}, kinds
     first_kind, _, first_commands = blocks[0]
     assert first_kind == "quickstart" and first_commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
-    assert (ROOT / ".ci" / "run").read_text().strip().endswith("bash scripts/test.sh"), \
+    assert (ROOT / ".ci" / "run").read_text().strip().endswith("bash scripts/test.sh"), (
         ".ci/run must call exactly the README's test command"
+    )
 
 
 class Background:
     def __init__(self, argv, env, log_path: Path, cwd: Path):
         self.log_path = log_path
         with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+            )
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -107,24 +113,37 @@ def docker_to_local(command: str, env: dict, tmp_path: Path):
     if words[:2] == ["docker", "build"]:
         assert "-f" in words and (ROOT / words[words.index("-f") + 1]).exists()
         assert words[-1] == ".", "the build context must be the repository root"
-        subprocess.run([sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "test_docker.py"), "-k",
-                        "dockerfile"], check=True, cwd=ROOT, timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "test_docker.py"), "-k", "dockerfile"],
+            check=True,
+            cwd=ROOT,
+            timeout=300,
+        )
         return None
     if words[:2] == ["docker", "compose"]:
         compose_file = ROOT / words[words.index("-f") + 1]
         assert compose_file.exists() and "up" in words
-        subprocess.run([sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "test_docker.py"), "-k",
-                        "compose"], check=True, cwd=ROOT, timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "test_docker.py"), "-k", "compose"],
+            check=True,
+            cwd=ROOT,
+            timeout=300,
+        )
         return None
     assert words[:2] == ["docker", "run"], f"unknown docker command in README: {command}"
     i = 2
     while words[i].startswith("-"):
         i += 2 if words[i] in DOCKER_RUN_VALUE_OPTIONS else 1
-    role_args = [re.sub(r"\$(\w+)", lambda m: env[m.group(1)], w) for w in words[i + 1:]]
+    role_args = [re.sub(r"\$(\w+)", lambda m: env[m.group(1)], w) for w in words[i + 1 :]]
     role_args = [part for arg in role_args for part in arg.split()]
     (tmp_path / "docker-data").mkdir(exist_ok=True)
-    docker_env = {**env, "LEANHIVE_DATA": str(tmp_path / "docker-data"), "LEANHIVE_P2P_PORT": "0",
-                  "LEANHIVE_LISTEN_HOST": "127.0.0.1", "LEANHIVE_PYTHON": sys.executable}
+    docker_env = {
+        **env,
+        "LEANHIVE_DATA": str(tmp_path / "docker-data"),
+        "LEANHIVE_P2P_PORT": "0",
+        "LEANHIVE_LISTEN_HOST": "127.0.0.1",
+        "LEANHIVE_PYTHON": sys.executable,
+    }
     return ["bash", str(ROOT / "docker" / "entrypoint.sh"), *role_args], docker_env
 
 

@@ -1,4 +1,5 @@
 """The architecture, checked: layers import only what they may, no cycles, hivemind overrides in one seam."""
+
 from __future__ import annotations
 
 import ast
@@ -51,7 +52,7 @@ def find_cycle(graph: Dict[str, Set[str]]) -> list:
             if imported == module:
                 continue
             if state.get(imported) == 1:
-                return path[path.index(imported):] + [imported]
+                return path[path.index(imported) :] + [imported]
             if imported not in state:
                 cycle = visit(imported, path + [imported])
                 if cycle:
@@ -80,17 +81,24 @@ def test_no_import_cycle_among_the_projects_modules(graph):
 def test_aux_peer_imports_only_the_swarm_layer_and_the_model(graph):
     for module, imported in graph.items():
         if module.startswith("aux_monitor"):
-            others = {name for name in imported if not name.startswith(("aux_monitor", "peer.swarm", "model"))
-                      and name != "peer"}
-            assert not others, f"{module} imports {sorted(others)}; the aux peer may use peer.swarm (the shared " \
-                               "layer) and model only"
+            others = {
+                name
+                for name in imported
+                if not name.startswith(("aux_monitor", "peer.swarm", "model")) and name != "peer"
+            }
+            assert not others, (
+                f"{module} imports {sorted(others)}; the aux peer may use peer.swarm (the shared layer) and model only"
+            )
 
 
 def test_swarm_layer_imports_neither_application(graph):
     for module, imported in graph.items():
         if module.startswith("peer.swarm"):
-            bad = {name for name in imported if name.startswith("aux_monitor")
-                   or (name.startswith("peer.") and not name.startswith("peer.swarm"))}
+            bad = {
+                name
+                for name in imported
+                if name.startswith("aux_monitor") or (name.startswith("peer.") and not name.startswith("peer.swarm"))
+            }
             assert not bad, f"{module} (shared swarm layer) imports application modules {sorted(bad)}"
 
 
@@ -115,12 +123,17 @@ def test_hivemind_classes_are_subclassed_only_in_the_seam():
             if seam in path.parents:
                 continue
             tree = ast.parse(path.read_text())
-            from_hivemind = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                             and (node.module or "").startswith("hivemind") for alias in node.names}
+            from_hivemind = {
+                alias.asname or alias.name
+                for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hivemind")
+                for alias in node.names
+            }
             for node in ast.walk(tree):
                 if isinstance(node, ast.ClassDef):
                     for base in node.bases:
                         text = ast.unparse(base)
                         assert not (text.startswith("hivemind.") or text in from_hivemind), (
                             f"{path.relative_to(REPO_ROOT)}: class {node.name}({text}) subclasses hivemind; "
-                            "overrides of hivemind belong in peer/swarm/hivemind_seam/")
+                            "overrides of hivemind belong in peer/swarm/hivemind_seam/"
+                        )

@@ -1,5 +1,6 @@
 """The test support package itself: reading peers' event files, choosing the trainer's entry point, and keeping the
 fault hooks out of production code. In-process; seconds."""
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,13 @@ def _write(path: Path, *events: dict, partial: str = "") -> None:
 def test_event_log_reads_complete_lines_and_filters(tmp_path):
     log = EventLog(tmp_path / "peer.events.jsonl")
     assert log.read() == [] and log.all("epoch_done") == []  # no file yet
-    _write(log.path, {"event": "dht_started", "time": 1.0, "pid": 1, "initial_peers": ["/ip4/127.0.0.1/tcp/1/p2p/X"]},
-           {"event": "epoch_done", "time": 2.0, "pid": 1, "epoch": 0, "loss": None},
-           {"event": "epoch_done", "time": 3.0, "pid": 1, "epoch": 1, "loss": 7.5},
-           partial='{"event": "epoch_do')  # a line still being written is not read yet
+    _write(
+        log.path,
+        {"event": "dht_started", "time": 1.0, "pid": 1, "initial_peers": ["/ip4/127.0.0.1/tcp/1/p2p/X"]},
+        {"event": "epoch_done", "time": 2.0, "pid": 1, "epoch": 0, "loss": None},
+        {"event": "epoch_done", "time": 3.0, "pid": 1, "epoch": 1, "loss": 7.5},
+        partial='{"event": "epoch_do',
+    )  # a line still being written is not read yet
     assert [e["epoch"] for e in log.all("epoch_done")] == [0, 1]
     assert log.all("epoch_done", where=lambda e: e["epoch"] >= 1)[0]["loss"] == 7.5
     assert log.last("dht_started")["initial_peers"] == ["/ip4/127.0.0.1/tcp/1/p2p/X"]
@@ -41,12 +45,19 @@ def test_event_log_reads_complete_lines_and_filters(tmp_path):
 @pytest.mark.timeout(60)
 def test_waiting_on_an_event_fails_fast_when_the_peer_exits(tmp_path):
     script = tmp_path / "peer.py"
-    script.write_text("import json, sys\n"
-                      "with open(sys.argv[sys.argv.index('--events_file') + 1], 'a') as f:\n"
-                      "    f.write(json.dumps({'event': 'exiting', 'time': 0.0, 'pid': 0, 'code': 3}) + '\\n')\n"
-                      "sys.exit(3)\n")
-    peer = PeerProcess([], script=str(script), name="short", log_path=tmp_path / "short.log",
-                       events_path=tmp_path / "short.events.jsonl")
+    script.write_text(
+        "import json, sys\n"
+        "with open(sys.argv[sys.argv.index('--events_file') + 1], 'a') as f:\n"
+        "    f.write(json.dumps({'event': 'exiting', 'time': 0.0, 'pid': 0, 'code': 3}) + '\\n')\n"
+        "sys.exit(3)\n"
+    )
+    peer = PeerProcess(
+        [],
+        script=str(script),
+        name="short",
+        log_path=tmp_path / "short.log",
+        events_path=tmp_path / "short.events.jsonl",
+    )
     (tmp_path / "short.events.jsonl").write_text('{"event": "exiting", "time": 0.0, "pid": 0, "code": 0}\n')
     peer.start()  # an earlier run's events are dropped, as its log is
     with pytest.raises(PeerExited, match="joined"):
@@ -60,8 +71,12 @@ def test_trainers_with_fault_variables_start_through_the_fault_entry_point():
     for name in ("LEANHIVE_FAULT_NAN_GRAD_STEPS", "LEANHIVE_FAULT_DIE_IN_ALLREDUCE", "LEANHIVE_TEST_PARAMS_DIR"):
         assert injects_faults({name: "1"})
         assert trainer_entry_point({name: "1"}) == {"module": FAULT_TRAINER_MODULE}
-    peer = PeerProcess(["--help"], name="faulty", log_path=Path("unused.log"), **trainer_entry_point({
-        "LEANHIVE_FAULT_NAN_PARAM_EPOCHS": "2"}))
+    peer = PeerProcess(
+        ["--help"],
+        name="faulty",
+        log_path=Path("unused.log"),
+        **trainer_entry_point({"LEANHIVE_FAULT_NAN_PARAM_EPOCHS": "2"}),
+    )
     assert peer.command[:3] == [sys.executable, "-m", "tests.support.fault_trainer"]
     assert (REPO_ROOT / "tests" / "support" / "fault_trainer.py").exists()
 
@@ -83,5 +98,6 @@ def test_the_faulty_gradient_averager_keeps_the_production_rpc_names():
 
     assert issubclass(FaultyGradientAverager, LeanHiveGradientAverager)
     assert FaultyTrainerPeer.grad_averager_class is FaultyGradientAverager
-    assert (FaultyGradientAverager._get_handle_name("run_grad_averager", "rpc_join_group")
-            == LeanHiveGradientAverager._get_handle_name("run_grad_averager", "rpc_join_group"))
+    assert FaultyGradientAverager._get_handle_name(
+        "run_grad_averager", "rpc_join_group"
+    ) == LeanHiveGradientAverager._get_handle_name("run_grad_averager", "rpc_join_group")

@@ -1,4 +1,5 @@
 """The trainer's command line, end to end as a subprocess: help, bad values, unreachable peers."""
+
 from __future__ import annotations
 
 import subprocess
@@ -11,8 +12,13 @@ from tests.support.trainers import tiny_model_config
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO_ROOT / "run_trainer.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "run_trainer.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+    )
 
 
 @pytest.mark.timeout(150)
@@ -23,9 +29,24 @@ def test_help_documents_every_flag():
     assert result.returncode == 0, result.stderr
     for flag in build_parser().known_fields():
         assert f"--{flag}" in result.stdout, f"--{flag} is missing from --help"
-    for flag in ("run_id", "initial_peers", "host_maddrs", "announce_maddrs", "identity_path", "client_mode",
-                 "use_ipfs", "model_config", "output_dir", "max_epochs", "target_batch_size", "max_grad_norm",
-                 "min_learning_rate", "delay_optimizer_step", "average_state_every", "dataset"):
+    for flag in (
+        "run_id",
+        "initial_peers",
+        "host_maddrs",
+        "announce_maddrs",
+        "identity_path",
+        "client_mode",
+        "use_ipfs",
+        "model_config",
+        "output_dir",
+        "max_epochs",
+        "target_batch_size",
+        "max_grad_norm",
+        "min_learning_rate",
+        "delay_optimizer_step",
+        "average_state_every",
+        "dataset",
+    ):
         assert f"--{flag}" in result.stdout
     assert "global norm" in result.stdout  # help texts come from the field docstrings
 
@@ -64,9 +85,13 @@ def test_tokenizer_problems_exit_2_before_joining(tmp_path, capsys):
 
     small = tmp_path / "small_vocab.json"
     small.write_text(json.dumps({**TINY_MODEL, "vocab_size": 1000}))
-    cases = [(["--model_config", str(small)], "has 4096 tokens but the model's vocab_size is 1000"),
-             (["--model_config", str(tiny_model_config(tmp_path)), "--tokenizer", str(tmp_path / "missing")],
-              "could not load tokenizer")]
+    cases = [
+        (["--model_config", str(small)], "has 4096 tokens but the model's vocab_size is 1000"),
+        (
+            ["--model_config", str(tiny_model_config(tmp_path)), "--tokenizer", str(tmp_path / "missing")],
+            "could not load tokenizer",
+        ),
+    ]
     for args, message in cases:
         with pytest.raises(SystemExit) as exit_info:
             parse_config(args)
@@ -87,9 +112,22 @@ def test_bad_preset_exits_2_end_to_end(tmp_path):
 @pytest.mark.timeout(150)
 def test_unreachable_initial_peers_give_a_clear_error(tmp_path):
     unreachable = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEZrWzHGeS3xwKVK4L3yNE2qkwyACS4Fae5X7SwArB6wy"
-    peer = PeerProcess(["--config", "tiny", "--model_config", tiny_model_config(tmp_path),
-                        "--output_dir", tmp_path / "out", "--initial_peers", unreachable,
-                        "--dht_startup_timeout", "10"], name="lonely", log_path=tmp_path / "lonely.log").start()
+    peer = PeerProcess(
+        [
+            "--config",
+            "tiny",
+            "--model_config",
+            tiny_model_config(tmp_path),
+            "--output_dir",
+            tmp_path / "out",
+            "--initial_peers",
+            unreachable,
+            "--dht_startup_timeout",
+            "10",
+        ],
+        name="lonely",
+        log_path=tmp_path / "lonely.log",
+    ).start()
     assert peer.wait(timeout=120) == 1
     log = peer.log()
     assert "could not reach any of the initial peers" in log and unreachable in log
@@ -103,8 +141,11 @@ def test_sigterm_while_joining_exits_promptly(delay, tmp_path):
     """A signal that lands inside hivemind.Optimizer's constructor must not leave the process hanging at exit."""
     import time
 
-    peer = PeerProcess(["--config", "tiny", "--model_config", tiny_model_config(tmp_path),
-                        "--output_dir", tmp_path / "out"], name="joining", log_path=tmp_path / "joining.log").start()
+    peer = PeerProcess(
+        ["--config", "tiny", "--model_config", tiny_model_config(tmp_path), "--output_dir", tmp_path / "out"],
+        name="joining",
+        log_path=tmp_path / "joining.log",
+    ).start()
     peer.wait_for(r"--initial_peers /ip4/", timeout=120)
     time.sleep(delay)
     assert peer.stop(timeout=30) == 0, peer.tail()

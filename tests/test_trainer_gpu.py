@@ -1,4 +1,5 @@
 """CUDA paths (AMP fp16 with hivemind's GradScaler, bf16): run on a GPU machine, skipped cleanly elsewhere."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_training_on_cuda(tmp_path, precision):
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
-    peer = start_trainer(tmp_path, "gpu", f"gpu_{precision}",
-                         extra=["--device", "cuda", "--precision", precision, "--max_epochs", "6"])
+    peer = start_trainer(
+        tmp_path, "gpu", f"gpu_{precision}", extra=["--device", "cuda", "--precision", precision, "--max_epochs", "6"]
+    )
     try:
         assert peer.wait(timeout=240) == 0, peer.tail()
     finally:
@@ -26,4 +28,3 @@ def test_training_on_cuda(tmp_path, precision):
     assert losses and all(math.isfinite(v) for v in losses.values())
     assert losses[max(losses)] < losses[min(losses)]
     assert all(torch.isfinite(t).all() for t in final_params(tmp_path / "gpu").values())
-

@@ -5,6 +5,7 @@ averaging timeout 3 s, target batch 64 with 16 per step, one torch thread per pe
 agreement is checked on the final parameters each peer writes when it stops at ``--max_epochs``,
 with uncompressed averaging (lossy codecs make peers differ by design).
 """
+
 from __future__ import annotations
 
 import math
@@ -50,7 +51,7 @@ def _validation_loss(folder, model_config_path) -> float:
     losses = []
     with torch.no_grad():
         for start in range(0, len(blocks), 32):
-            input_ids = torch.stack([b["input_ids"] for b in blocks[start:start + 32]])
+            input_ids = torch.stack([b["input_ids"] for b in blocks[start : start + 32]])
             losses.append(float(model(input_ids=input_ids, labels=input_ids).loss) * len(input_ids))
     return sum(losses) / len(blocks)
 
@@ -62,8 +63,9 @@ def test_two_peers_agree_and_match_one_peer(tmp_path, swarm):
     solo = start_trainer(tmp_path, "solo", "solo_run", extra=["--max_epochs", epochs, *EXACT])
     first = start_trainer(tmp_path, "a", "pair_run", extra=["--max_epochs", epochs, "--min_peers", "2", *EXACT])
     swarm += [solo, first]
-    second = start_trainer(tmp_path, "b", "pair_run", initial_peers=first.initial_peers(STARTUP),
-                           extra=["--max_epochs", epochs, *EXACT])
+    second = start_trainer(
+        tmp_path, "b", "pair_run", initial_peers=first.initial_peers(STARTUP), extra=["--max_epochs", epochs, *EXACT]
+    )
     swarm.append(second)
     assert wait_all([first, second, solo], timeout=360) == [0, 0, 0]
 
@@ -80,8 +82,10 @@ def test_two_peers_agree_and_match_one_peer(tmp_path, swarm):
     model_config = tmp_path / "tiny_model.json"
     pair_loss = _validation_loss(tmp_path / "a", model_config)
     solo_loss = _validation_loss(tmp_path / "solo", model_config)
-    print(f"\nvalidation loss after {epochs} epochs x 64 samples: 1 peer {solo_loss:.4f}, 2 peers {pair_loss:.4f} "
-          f"(relative difference {abs(pair_loss - solo_loss) / solo_loss:.2%})")
+    print(
+        f"\nvalidation loss after {epochs} epochs x 64 samples: 1 peer {solo_loss:.4f}, 2 peers {pair_loss:.4f} "
+        f"(relative difference {abs(pair_loss - solo_loss) / solo_loss:.2%})"
+    )
     assert abs(pair_loss - solo_loss) <= 0.03 * solo_loss
 
 
@@ -100,8 +104,11 @@ def test_three_peers_with_a_late_joiner(tmp_path, swarm):
     initial_peers += second.initial_peers()
     late = start_trainer(tmp_path, "c", "trio", initial_peers=initial_peers, extra=["--max_epochs", epochs, *EXACT])
     swarm.append(late)
-    joined_at = int(late.events.wait("state_loaded", timeout=STARTUP,
-                                     where=lambda e: e["source"] == "swarm" and e["reason"] == "join")["epoch"])
+    joined_at = int(
+        late.events.wait(
+            "state_loaded", timeout=STARTUP, where=lambda e: e["source"] == "swarm" and e["reason"] == "join"
+        )["epoch"]
+    )
     assert joined_at >= 2
 
     assert wait_all([first, second, late], timeout=300) == [0, 0, 0]
@@ -119,8 +126,10 @@ def test_sigkilled_peer_leaves_nothing_and_others_go_on(tmp_path, swarm):
     first = start_trainer(tmp_path, "a", "kill", extra=["--max_epochs", "10", "--min_peers", "3"])
     swarm.append(first)
     initial_peers = first.initial_peers(STARTUP)
-    others = [start_trainer(tmp_path, name, "kill", initial_peers=initial_peers, extra=["--max_epochs", "10"])
-              for name in ("b", "victim")]
+    others = [
+        start_trainer(tmp_path, name, "kill", initial_peers=initial_peers, extra=["--max_epochs", "10"])
+        for name in ("b", "victim")
+    ]
     swarm += others
     second, victim = others
     victim.events.wait("epoch_done", timeout=180, count=2)
@@ -141,11 +150,18 @@ def test_sigkilled_peer_leaves_nothing_and_others_go_on(tmp_path, swarm):
 def test_nan_gradients_and_parameters_are_survived(tmp_path, swarm):
     """NaN gradients are skipped and counted; NaN parameters are restored; every peer stays finite."""
     faults = {NAN_GRAD_STEPS_ENV: "3,4,9", NAN_PARAM_EPOCHS_ENV: "4"}
-    first = start_trainer(tmp_path, "a", "nan", extra=["--max_epochs", "8", "--min_peers", "2",
-                                                       "--backup_every_epochs", "2", *EXACT])
+    first = start_trainer(
+        tmp_path, "a", "nan", extra=["--max_epochs", "8", "--min_peers", "2", "--backup_every_epochs", "2", *EXACT]
+    )
     swarm.append(first)
-    faulty = start_trainer(tmp_path, "faulty", "nan", initial_peers=first.initial_peers(STARTUP), env=faults,
-                           extra=["--max_epochs", "8", "--backup_every_epochs", "2", *EXACT])
+    faulty = start_trainer(
+        tmp_path,
+        "faulty",
+        "nan",
+        initial_peers=first.initial_peers(STARTUP),
+        env=faults,
+        extra=["--max_epochs", "8", "--backup_every_epochs", "2", *EXACT],
+    )
     swarm.append(faulty)
     assert wait_all([first, faulty], timeout=240) == [0, 0]
 
@@ -172,8 +188,13 @@ def _check_published_metrics(initial_peers, run_id):
 
     share_tensors_by_file_descriptor()
     validators, _ = make_validators(run_id, hivemind.utils.crypto.RSAPrivateKey())
-    reader = hivemind.DHT(start=True, initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                          client_mode=True, record_validators=validators)
+    reader = hivemind.DHT(
+        start=True,
+        initial_peers=initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        client_mode=True,
+        record_validators=validators,
+    )
     try:
         metrics = fetch_metrics(reader, run_id, timeout=15)
     finally:
@@ -187,11 +208,13 @@ def _check_published_metrics(initial_peers, run_id):
 @pytest.mark.timeout(240)
 def test_lone_peer_recovers_from_backup_stops_on_sigterm_and_resumes(tmp_path, swarm):
     """Alone, NaN parameters come back from the local backup; SIGTERM: backup, exit 0; a restart resumes."""
-    peer = start_trainer(tmp_path, "a", "term", env={NAN_PARAM_EPOCHS_ENV: "3"},
-                         extra=["--backup_every_epochs", "2"])
+    peer = start_trainer(tmp_path, "a", "term", env={NAN_PARAM_EPOCHS_ENV: "3"}, extra=["--backup_every_epochs", "2"])
     swarm.append(peer)
-    peer.events.wait("state_loaded", timeout=STARTUP,
-                     where=lambda e: e["source"] == "backup" and e["reason"] == "recovery" and e["epoch"] == 2)
+    peer.events.wait(
+        "state_loaded",
+        timeout=STARTUP,
+        where=lambda e: e["source"] == "backup" and e["reason"] == "recovery" and e["epoch"] == 2,
+    )
     wait_for_epoch(peer, 4, timeout=60)
     _check_published_metrics(peer.initial_peers(), "term")
     assert peer.stop(signal.SIGTERM, timeout=30) == 0
@@ -204,8 +227,11 @@ def test_lone_peer_recovers_from_backup_stops_on_sigterm_and_resumes(tmp_path, s
 
     again = start_trainer(tmp_path, "a", "term", extra=["--max_epochs", str(stopped_at + 1)])
     swarm.append(again)
-    again.events.wait("state_loaded", timeout=STARTUP,
-                      where=lambda e: e["source"] == "backup" and e["reason"] == "join" and e["epoch"] == stopped_at)
+    again.events.wait(
+        "state_loaded",
+        timeout=STARTUP,
+        where=lambda e: e["source"] == "backup" and e["reason"] == "join" and e["epoch"] == stopped_at,
+    )
     assert again.wait(timeout=120) == 0
     assert final_epoch(tmp_path / "a") == stopped_at + 1
     assert math.isfinite(max(epoch_losses(again).values()))

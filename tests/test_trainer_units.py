@@ -1,4 +1,5 @@
 """In-process tests of the trainer's parts: CLI layer, 8-bit LAMB, schedule, groups, compression, backups, guard."""
+
 from __future__ import annotations
 
 import math
@@ -50,20 +51,28 @@ def test_preset_then_command_line_override(tmp_path):
     preset.write_text("count: 7\nratio: 0.25\nnames: [x, y]\nflag: true\nlimit: 5\n")
     parser = DataclassArgumentParser([_Example])
     (example,) = parser.parse_into_dataclasses(["--config", str(preset), "--ratio", "0.75", "--limit", "none"])
-    assert (example.count, example.ratio, example.names, example.flag, example.limit) == \
-        (7, 0.75, ["x", "y"], True, None)
+    assert (example.count, example.ratio, example.names, example.flag, example.limit) == (
+        7,
+        0.75,
+        ["x", "y"],
+        True,
+        None,
+    )
     (example,) = parser.parse_into_dataclasses(["--flag", "--names", "p", "q", "--mode", "b"])
     assert example.flag is True and example.names == ["p", "q"] and example.mode == "b" and example.count == 3
     (example,) = parser.parse_into_dataclasses(["--flag", "false"])
     assert example.flag is False
 
 
-@pytest.mark.parametrize("text,message", [
-    ("count: 0\n", "count must be >= 1"),
-    ("count: many\n", "invalid value for count"),
-    ("mode: c\n", "choose from a, b"),
-    ("- just a list\n", "expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("count: 0\n", "count must be >= 1"),
+        ("count: many\n", "invalid value for count"),
+        ("mode: c\n", "choose from a, b"),
+        ("- just a list\n", "expected a mapping"),
+    ],
+)
 def test_bad_preset_values_exit_2(tmp_path, capsys, text, message):
     preset = tmp_path / "p.yaml"
     preset.write_text(text)
@@ -87,7 +96,7 @@ def _reference_lamb_step(param, grad, state, *, lr, betas, eps, weight_decay, cl
     beta1, beta2 = betas
     state["m"] = beta1 * state["m"] + (1 - beta1) * grad
     state["v"] = beta2 * state["v"] + (1 - beta2) * grad * grad
-    update = (state["m"] / (1 - beta1 ** step)) / ((state["v"] / (1 - beta2 ** step)).sqrt() + eps)
+    update = (state["m"] / (1 - beta1**step)) / ((state["v"] / (1 - beta2**step)).sqrt() + eps)
     update = update + weight_decay * param
     trust = min(float(param.norm()), clamp_value) / float(update.norm())
     return param - lr * trust * update
@@ -167,8 +176,9 @@ def test_learning_rate_schedule():
     assert learning_rate_at(9, args) == pytest.approx(1.0)
     assert learning_rate_at(60, args) == pytest.approx(0.55)  # cosine half way
     assert learning_rate_at(110, args) == pytest.approx(0.1) == learning_rate_at(500, args)
-    linear = OptimizerArguments(learning_rate=1.0, min_learning_rate=0.2, warmup_steps=0, total_steps=100,
-                                lr_schedule="linear")
+    linear = OptimizerArguments(
+        learning_rate=1.0, min_learning_rate=0.2, warmup_steps=0, total_steps=100, lr_schedule="linear"
+    )
     assert learning_rate_at(50, linear) == pytest.approx(0.6)
 
 
@@ -198,12 +208,23 @@ def _peer_on(run_id: str, initial_peers=()):
     from peer.swarm.optimizer import build_optimizer
 
     key = hivemind.utils.crypto.RSAPrivateKey()
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers),
-                       record_validators=make_validators(run_id, key)[0])
+    dht = hivemind.DHT(
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=list(initial_peers),
+        record_validators=make_validators(run_id, key)[0],
+    )
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    opt = build_optimizer(model=model, dht=dht, run_id=run_id, signing_key=key, batch_size_per_step=4,
-                          collab=CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
-                          optim=OptimizerArguments(), client_mode=False)
+    opt = build_optimizer(
+        model=model,
+        dht=dht,
+        run_id=run_id,
+        signing_key=key,
+        batch_size_per_step=4,
+        collab=CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
+        optim=OptimizerArguments(),
+        client_mode=False,
+    )
     return dht, model, opt
 
 

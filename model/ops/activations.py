@@ -1,4 +1,5 @@
 """Activations with explicit derivatives, so custom backward passes never keep activation outputs."""
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Tuple
@@ -16,8 +17,10 @@ def _relu_backward(grad: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 ACTIVATIONS: Dict[str, Tuple[Forward, Backward]] = {
     "gelu": (F.gelu, lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre)),
-    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"),
-                  lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre, approximate="tanh")),
+    "gelu_tanh": (
+        lambda x: F.gelu(x, approximate="tanh"),
+        lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre, approximate="tanh"),
+    ),
     "relu": (F.relu, _relu_backward),
     "silu": (F.silu, lambda grad, pre: torch.ops.aten.silu_backward(grad, pre)),
 }

@@ -7,6 +7,7 @@ nothing of size (seq x seq). Layer norm is recomputed in backward, the rotary ro
 the gradients (it is orthogonal), the padding mask is rebuilt from the [batch, seq] boolean mask and
 both dropout masks are regenerated from seeds.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,30 +57,41 @@ def _unflatten_heads(flat: torch.Tensor, num_heads: int) -> torch.Tensor:
     return flat.reshape(b, s, num_heads, hidden // num_heads).transpose(1, 2)
 
 
-def attention_plain(x, norm_w, norm_b, sandwich_w, sandwich_b, cos, sin, key_padding_mask,
-                    spec: AttentionSpec) -> torch.Tensor:
+def attention_plain(
+    x, norm_w, norm_b, sandwich_w, sandwich_b, cos, sin, key_padding_mask, spec: AttentionSpec
+) -> torch.Tensor:
     """Plain-autograd reference: materialises the attention probabilities."""
     normed = layer_norm(x, norm_w, norm_b, spec.eps).to(spec.compute.dtype)
     q, k, v = _split_heads(spec.qkv(normed), spec.num_heads).unbind(2)
     if cos is not None:
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    attn = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec.causal,
-                               key_padding_mask, spec.attn_dropout_p, spec.attn_dropout_seed)
+    attn = attention_reference(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        spec.causal,
+        key_padding_mask,
+        spec.attn_dropout_p,
+        spec.attn_dropout_seed,
+    )
     y = spec.out(attn.transpose(1, 2).flatten(2))
     return tail_plain(y, x, sandwich_w, sandwich_b, spec.eps, spec.dropout_p, spec.dropout_seed, spec.residual)
 
 
-def attention_custom(x, norm_w, norm_b, sandwich_w, sandwich_b, cos, sin, key_padding_mask,
-                     spec: AttentionSpec) -> torch.Tensor:
+def attention_custom(
+    x, norm_w, norm_b, sandwich_w, sandwich_b, cos, sin, key_padding_mask, spec: AttentionSpec
+) -> torch.Tensor:
     params = projection_params(spec.qkv) + projection_params(spec.out)
-    return LeanAttentionFunction.apply(x, norm_w, norm_b, sandwich_w, sandwich_b, cos, sin, key_padding_mask,
-                                       spec, *params)
+    return LeanAttentionFunction.apply(
+        x, norm_w, norm_b, sandwich_w, sandwich_b, cos, sin, key_padding_mask, spec, *params
+    )
 
 
 class LeanAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, norm_w, norm_b, sandwich_w, sandwich_b, cos, sin, key_padding_mask,
-                spec: AttentionSpec, *params):
+    def forward(
+        ctx, x, norm_w, norm_b, sandwich_w, sandwich_b, cos, sin, key_padding_mask, spec: AttentionSpec, *params
+    ):
         compute = spec.compute
         with no_autocast(compute.device_type):
             normed = layer_norm(x, norm_w, norm_b, spec.eps).to(compute.dtype)
@@ -90,12 +102,14 @@ class LeanAttentionFunction(torch.autograd.Function):
                 rotate_(heads[:, :, 0], cos, sin)
                 rotate_(heads[:, :, 1], cos, sin)
             q, k, v = _heads_first(heads)
-            attn, lse = attention_forward(q, k, v, spec.causal, key_padding_mask, spec.attn_dropout_p,
-                                          spec.attn_dropout_seed)
+            attn, lse = attention_forward(
+                q, k, v, spec.causal, key_padding_mask, spec.attn_dropout_p, spec.attn_dropout_seed
+            )
             attn_flat = attn.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)  # a view, no copy
             y = project(spec.out, attn_flat, compute)
-            out, pre_sandwich = tail_forward(y, x, sandwich_w, sandwich_b, spec.eps, spec.dropout_p,
-                                             spec.dropout_seed, spec.residual)
+            out, pre_sandwich = tail_forward(
+                y, x, sandwich_w, sandwich_b, spec.eps, spec.dropout_p, spec.dropout_seed, spec.residual
+            )
         ctx.spec = spec
         ctx.norm = (norm_w, norm_b)
         ctx.sandwich = (sandwich_w, sandwich_b)
@@ -109,14 +123,24 @@ class LeanAttentionFunction(torch.autograd.Function):
         x, qkv, attn_flat, lse, cos, sin, key_padding_mask, pre_sandwich = ctx.saved_tensors
         norm_w, norm_b = ctx.norm
         with no_autocast(compute.device_type):
-            grad_y, grad_sw, grad_sb = tail_backward(grad_out, pre_sandwich, *ctx.sandwich, spec.eps,
-                                                     spec.dropout_p, spec.dropout_seed, compute.dtype)
+            grad_y, grad_sw, grad_sb = tail_backward(
+                grad_out, pre_sandwich, *ctx.sandwich, spec.eps, spec.dropout_p, spec.dropout_seed, compute.dtype
+            )
             grad_attn_flat, out_grads = project_backward(spec.out, attn_flat, grad_y, compute)
             del grad_y
             q, k, v = _heads_first(_split_heads(qkv, spec.num_heads))
-            grads_qkv = attention_backward(_unflatten_heads(grad_attn_flat, spec.num_heads), q, k, v,
-                                           _unflatten_heads(attn_flat, spec.num_heads), lse, spec.causal,
-                                           key_padding_mask, spec.attn_dropout_p, spec.attn_dropout_seed)
+            grads_qkv = attention_backward(
+                _unflatten_heads(grad_attn_flat, spec.num_heads),
+                q,
+                k,
+                v,
+                _unflatten_heads(attn_flat, spec.num_heads),
+                lse,
+                spec.causal,
+                key_padding_mask,
+                spec.attn_dropout_p,
+                spec.attn_dropout_seed,
+            )
             del grad_attn_flat
             grad_qkv = torch.empty_like(qkv)
             grad_heads = _split_heads(grad_qkv, spec.num_heads)
@@ -128,9 +152,9 @@ class LeanAttentionFunction(torch.autograd.Function):
                     target.copy_(grad.transpose(1, 2))
             del grads_qkv
             normed, mean, rstd = layer_norm_with_stats(x, norm_w, norm_b, spec.eps)
-            grad_normed, qkv_grads = project_backward(spec.qkv, normed.to(compute.dtype),
-                                                      grad_qkv, compute)
+            grad_normed, qkv_grads = project_backward(spec.qkv, normed.to(compute.dtype), grad_qkv, compute)
             del normed, grad_qkv, grad_heads
-            grad_x, grad_nw, grad_nb = norm_input_backward(grad_normed, x, mean, rstd, norm_w, norm_b,
-                                                           grad_out, spec.residual)
+            grad_x, grad_nw, grad_nb = norm_input_backward(
+                grad_normed, x, mean, rstd, norm_w, norm_b, grad_out, spec.residual
+            )
         return (grad_x, grad_nw, grad_nb, grad_sw, grad_sb, None, None, None, None, *qkv_grads, *out_grads)

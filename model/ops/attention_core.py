@@ -10,6 +10,7 @@ keys, and a query row with no visible key outputs zeros (only padded queries can
   backward from the saved logsumexp, and regenerates each chunk's dropout mask from a seed.
 * ``attention_reference``: plain autograd over materialised probabilities (the reference).
 """
+
 from __future__ import annotations
 
 import math
@@ -60,13 +61,22 @@ def _chunk_keep_mask(shape, dropout_p: float, seed: int, chunk_index: int, devic
     return keep_mask(shape, dropout_p, seed + chunk_index, device, dtype)
 
 
-def attention_forward(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tensor], dropout_p: float,
-                      dropout_seed: Optional[int], scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def attention_forward(
+    q,
+    k,
+    v,
+    causal: bool,
+    key_padding_mask: Optional[torch.Tensor],
+    dropout_p: float,
+    dropout_seed: Optional[int],
+    scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, logsumexp); out is [batch, heads, seq, head_dim] laid out in memory as [batch, seq, heads, dim]."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if use_flash(q, dropout_seed):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=additive_padding_mask(key_padding_mask, q.dtype), scale=scale)
+            q, k, v, 0.0, causal, attn_mask=additive_padding_mask(key_padding_mask, q.dtype), scale=scale
+        )
     padding = additive_padding_mask(key_padding_mask, _softmax_dtype(q.dtype))
     b, h, s, d = q.shape
     out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
@@ -83,15 +93,34 @@ def attention_forward(q, k, v, causal: bool, key_padding_mask: Optional[torch.Te
     return out, lse
 
 
-def attention_backward(grad_out, q, k, v, out, lse, causal: bool, key_padding_mask: Optional[torch.Tensor],
-                       dropout_p: float, dropout_seed: Optional[int], scale: Optional[float] = None
-                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    causal: bool,
+    key_padding_mask: Optional[torch.Tensor],
+    dropout_p: float,
+    dropout_seed: Optional[int],
+    scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_q, grad_k, grad_v) with probabilities recomputed chunk by chunk."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if use_flash(q, dropout_seed):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=additive_padding_mask(key_padding_mask, q.dtype),
-            scale=scale)
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            0.0,
+            causal,
+            attn_mask=additive_padding_mask(key_padding_mask, q.dtype),
+            scale=scale,
+        )
     accumulate = _softmax_dtype(q.dtype)
     padding = additive_padding_mask(key_padding_mask, accumulate)
     b, h, s, d = q.shape
@@ -121,8 +150,16 @@ def attention_backward(grad_out, q, k, v, out, lse, causal: bool, key_padding_ma
     return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
-def attention_reference(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tensor], dropout_p: float,
-                        dropout_seed: Optional[int], scale: Optional[float] = None) -> torch.Tensor:
+def attention_reference(
+    q,
+    k,
+    v,
+    causal: bool,
+    key_padding_mask: Optional[torch.Tensor],
+    dropout_p: float,
+    dropout_seed: Optional[int],
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """Plain autograd attention over full probabilities, with the same masks and dropout masks."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     b, h, s, d = q.shape
@@ -137,7 +174,9 @@ def attention_reference(q, k, v, causal: bool, key_padding_mask: Optional[torch.
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty_rows, 0.0)
     probs = scores.softmax(-1).masked_fill(empty_rows, 0.0)
     if dropout_seed is not None:
-        masks = [_chunk_keep_mask((b, h, end - start, k.shape[-2]), dropout_p, dropout_seed, index, q.device, q.dtype)
-                 for index, (start, end) in enumerate(query_chunks(b, h, s, k.shape[-2]))]
+        masks = [
+            _chunk_keep_mask((b, h, end - start, k.shape[-2]), dropout_p, dropout_seed, index, q.device, q.dtype)
+            for index, (start, end) in enumerate(query_chunks(b, h, s, k.shape[-2]))
+        ]
         probs = probs * torch.cat(masks, dim=2)
     return torch.matmul(probs, v)

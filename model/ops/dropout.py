@@ -4,6 +4,7 @@ Drawing one seed per call (instead of sampling the mask from the global generato
 backward regenerate the exact mask instead of saving it, and makes the custom and the plain-autograd
 paths draw identical masks, so their results can be compared exactly.
 """
+
 from __future__ import annotations
 
 from typing import Optional

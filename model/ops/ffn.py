@@ -4,6 +4,7 @@
 ``LeanFFNFunction`` saves only the layer input and the pre-activation. Layer norm and activation are
 recomputed in backward and the hidden-dropout mask is regenerated from its seed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,8 +56,9 @@ class LeanFFNFunction(torch.autograd.Function):
             pre_activation = project(spec.up, normed, compute)
             del normed
             y = project(spec.down, activate(pre_activation, spec.activation, spec.gated), compute)
-            out, pre_sandwich = tail_forward(y, x, sandwich_w, sandwich_b, spec.eps, spec.dropout_p,
-                                             spec.dropout_seed, spec.residual)
+            out, pre_sandwich = tail_forward(
+                y, x, sandwich_w, sandwich_b, spec.eps, spec.dropout_p, spec.dropout_seed, spec.residual
+            )
         ctx.spec = spec
         ctx.norm = (norm_w, norm_b)
         ctx.sandwich = (sandwich_w, sandwich_b)
@@ -70,8 +72,9 @@ class LeanFFNFunction(torch.autograd.Function):
         x, pre_activation, pre_sandwich = ctx.saved_tensors
         norm_w, norm_b = ctx.norm
         with no_autocast(compute.device_type):
-            grad_y, grad_sw, grad_sb = tail_backward(grad_out, pre_sandwich, *ctx.sandwich, spec.eps,
-                                                     spec.dropout_p, spec.dropout_seed, compute.dtype)
+            grad_y, grad_sw, grad_sb = tail_backward(
+                grad_out, pre_sandwich, *ctx.sandwich, spec.eps, spec.dropout_p, spec.dropout_seed, compute.dtype
+            )
             hidden = activate(pre_activation, spec.activation, spec.gated)
             grad_hidden, down_grads = project_backward(spec.down, hidden, grad_y, compute)
             del hidden, grad_y
@@ -80,6 +83,7 @@ class LeanFFNFunction(torch.autograd.Function):
             normed, mean, rstd = layer_norm_with_stats(x, norm_w, norm_b, spec.eps)
             grad_normed, up_grads = project_backward(spec.up, normed.to(compute.dtype), grad_pre, compute)
             del normed, grad_pre
-            grad_x, grad_nw, grad_nb = norm_input_backward(grad_normed, x, mean, rstd, norm_w, norm_b,
-                                                           grad_out, spec.residual)
+            grad_x, grad_nw, grad_nb = norm_input_backward(
+                grad_normed, x, mean, rstd, norm_w, norm_b, grad_out, spec.residual
+            )
         return (grad_x, grad_nw, grad_nb, grad_sw, grad_sb, None, *up_grads, *down_grads)

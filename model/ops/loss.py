@@ -8,6 +8,7 @@ most one chunk of them is alive. The price: the weight gradient (vocab x dim, th
 would produce anyway) is held from forward until backward, and a forward with labels under
 grad mode does the backward's matmuls too (without grad mode it computes the loss only).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -29,8 +30,9 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
 
 
-def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
-            chunk_size: int) -> torch.Tensor:
+def lm_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T + bias`` over labels != -100.
 
     hidden: [tokens, dim], weight: [vocab, dim], labels: [tokens]. chunk_size=0 computes full logits
@@ -40,15 +42,15 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         return _lm_loss_plain(hidden, weight, bias, labels)
     grad_enabled = torch.is_grad_enabled()
     needs = [grad_enabled and tensor is not None and tensor.requires_grad for tensor in (hidden, weight, bias)]
-    return ChunkedLMLossFunction.apply(hidden, weight, bias, labels, chunk_size, _compute_dtype(hidden, weight),
-                                       tuple(needs))
+    return ChunkedLMLossFunction.apply(
+        hidden, weight, bias, labels, chunk_size, _compute_dtype(hidden, weight), tuple(needs)
+    )
 
 
 def _lm_loss_plain(hidden, weight, bias, labels):
     dtype = _compute_dtype(hidden, weight)
     logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-    total = F.cross_entropy(logits.to(_logits_dtype(logits.dtype)), labels, ignore_index=IGNORE_INDEX,
-                            reduction="sum")
+    total = F.cross_entropy(logits.to(_logits_dtype(logits.dtype)), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
@@ -110,5 +112,12 @@ class ChunkedLMLossFunction(torch.autograd.Function):
                 return None
             return (grad if scale is None else grad * scale.to(grad.dtype)).to(dtype)
 
-        return (scaled(grad_hidden, grad_hidden.dtype if grad_hidden is not None else None),
-                scaled(grad_weight, weight_dtype), scaled(grad_bias, bias_dtype), None, None, None, None)
+        return (
+            scaled(grad_hidden, grad_hidden.dtype if grad_hidden is not None else None),
+            scaled(grad_weight, weight_dtype),
+            scaled(grad_bias, bias_dtype),
+            None,
+            None,
+            None,
+            None,
+        )

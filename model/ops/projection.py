@@ -6,6 +6,7 @@ saved input under ``torch.enable_grad`` inside the backward pass and differentia
 That costs one extra forward of that projection but keeps the memory savings of the surrounding
 Function, and needs nothing from the module except its registered parameters.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,9 +54,9 @@ def project(module: nn.Module, x: torch.Tensor, ctx: ComputeContext) -> torch.Te
         return module(x).to(ctx.dtype)
 
 
-def project_backward(module: nn.Module, x: torch.Tensor, grad_y: torch.Tensor, ctx: ComputeContext,
-                     need_input_grad: bool = True
-                     ) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
+def project_backward(
+    module: nn.Module, x: torch.Tensor, grad_y: torch.Tensor, ctx: ComputeContext, need_input_grad: bool = True
+) -> Tuple[Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
     """(grad_x, grads of projection_params(module)) given the forward input x and grad of the output."""
     params = projection_params(module)
     if is_dense(module):
@@ -81,4 +82,3 @@ def project_backward(module: nn.Module, x: torch.Tensor, grad_y: torch.Tensor, c
     grad_x = next(computed) if need_input_grad else None
     grads = [next(computed) if p.requires_grad else None for p in params]
     return grad_x, grads
-

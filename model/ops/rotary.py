@@ -2,6 +2,7 @@
 
 cos/sin tables are computed once per forward pass and shared by every layer (never stored per layer).
 """
+
 from __future__ import annotations
 
 from typing import Tuple

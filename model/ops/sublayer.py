@@ -1,5 +1,6 @@
 """Pieces shared by the FFN and attention sub-layers: the pre-norm input and the output tail
 (optional sandwich norm -> hidden dropout -> residual add), in plain and custom-backward forms."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -15,9 +16,16 @@ def no_autocast(device_type: str):
     return torch.autocast(device_type, enabled=False)
 
 
-def tail_plain(y: torch.Tensor, x: torch.Tensor, sandwich_w: Optional[torch.Tensor],
-               sandwich_b: Optional[torch.Tensor], eps: float, dropout_p: float, seed: Optional[int],
-               residual: bool) -> torch.Tensor:
+def tail_plain(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    sandwich_w: Optional[torch.Tensor],
+    sandwich_b: Optional[torch.Tensor],
+    eps: float,
+    dropout_p: float,
+    seed: Optional[int],
+    residual: bool,
+) -> torch.Tensor:
     """Plain-autograd output tail; the result has the residual (input) dtype."""
     if sandwich_w is not None:
         y = layer_norm(y, sandwich_w, sandwich_b, eps)
@@ -25,8 +33,16 @@ def tail_plain(y: torch.Tensor, x: torch.Tensor, sandwich_w: Optional[torch.Tens
     return x + y if residual else y
 
 
-def tail_forward(y: torch.Tensor, x: torch.Tensor, sandwich_w, sandwich_b, eps: float, dropout_p: float,
-                 seed: Optional[int], residual: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def tail_forward(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    sandwich_w,
+    sandwich_b,
+    eps: float,
+    dropout_p: float,
+    seed: Optional[int],
+    residual: bool,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Output tail without autograd; returns (output, pre-sandwich tensor to save or None)."""
     pre_sandwich = None
     if sandwich_w is not None:
@@ -35,8 +51,16 @@ def tail_forward(y: torch.Tensor, x: torch.Tensor, sandwich_w, sandwich_b, eps: 
     return (y.add_(x) if residual else y), pre_sandwich
 
 
-def tail_backward(grad_out: torch.Tensor, pre_sandwich: Optional[torch.Tensor], sandwich_w, sandwich_b,
-                  eps: float, dropout_p: float, seed: Optional[int], dtype: torch.dtype):
+def tail_backward(
+    grad_out: torch.Tensor,
+    pre_sandwich: Optional[torch.Tensor],
+    sandwich_w,
+    sandwich_b,
+    eps: float,
+    dropout_p: float,
+    seed: Optional[int],
+    dtype: torch.dtype,
+):
     """Gradient w.r.t. the projection output y (in ``dtype``) and the sandwich norm's parameters."""
     grad_y = grad_out.to(dtype)
     if seed is not None:  # replay the dropout mask instead of having saved it
@@ -48,8 +72,16 @@ def tail_backward(grad_out: torch.Tensor, pre_sandwich: Optional[torch.Tensor], 
     return grad_y, grad_sw, grad_sb
 
 
-def norm_input_backward(grad_normed: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                        norm_w, norm_b, grad_out: torch.Tensor, residual: bool):
+def norm_input_backward(
+    grad_normed: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    norm_w,
+    norm_b,
+    grad_out: torch.Tensor,
+    residual: bool,
+):
     """Backward of the pre-norm plus the residual branch: (grad_x, grad_norm_w, grad_norm_b)."""
     grad_x, grad_w, grad_b = layer_norm_backward(grad_normed, x, mean, rstd, norm_w, norm_b)
     if residual:

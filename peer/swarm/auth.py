@@ -16,6 +16,7 @@ it without joining anything. Two checks, both on the receiving side:
 
 The hivemind side of both checks (the authorizer, the RPC wrapper) is in peer.swarm.hivemind_seam.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,10 @@ class Allowlist:
         try:
             text = path.read_text()
         except OSError as e:
-            raise AuthorizationError(f"--authorized_keys {path}: cannot read it ({e.strerror}); give the path of "
-                                     f"a file with one line per peer: {FORMAT_HELP}") from None
+            raise AuthorizationError(
+                f"--authorized_keys {path}: cannot read it ({e.strerror}); give the path of "
+                f"a file with one line per peer: {FORMAT_HELP}"
+            ) from None
         peer_ids, keys = set(), set()
         for number, raw in enumerate(text.splitlines(), start=1):
             line = raw.split("#", 1)[0].strip()
@@ -63,15 +66,18 @@ class Allowlist:
                 continue
             fields = line.split()
             if len(fields) < 3 or fields[1] != "ssh-rsa":
-                raise AuthorizationError(f"--authorized_keys {path}, line {number}: expected {FORMAT_HELP}; "
-                                         f"got {raw.strip()[:80]!r}")
+                raise AuthorizationError(
+                    f"--authorized_keys {path}, line {number}: expected {FORMAT_HELP}; got {raw.strip()[:80]!r}"
+                )
             key = f"{fields[1]} {fields[2]}".encode()
             try:
                 PeerID.from_base58(fields[0])
                 RSAPublicKey.from_bytes(key)
             except Exception as e:
-                raise AuthorizationError(f"--authorized_keys {path}, line {number}: not a valid peer ID and RSA "
-                                         f"public key ({e}); copy the line the peer logs at start") from None
+                raise AuthorizationError(
+                    f"--authorized_keys {path}, line {number}: not a valid peer ID and RSA "
+                    f"public key ({e}); copy the line the peer logs at start"
+                ) from None
             peer_ids.add(fields[0])
             keys.add(key)
         if not peer_ids:
@@ -89,8 +95,10 @@ def make_authorizer(path: str, identity_path: Optional[str]) -> AllowlistAuthori
     allowlist = Allowlist.load(path)
     private_key = load_or_create_signing_key(signing_key_path(identity_path))
     if private_key.get_public_key().to_bytes() not in allowlist.public_keys:
-        raise AuthorizationError(f"this peer is not in --authorized_keys {path}; the run owner must add its line:\n"
-                                 f"{identity_line(identity_path)}")
+        raise AuthorizationError(
+            f"this peer is not in --authorized_keys {path}; the run owner must add its line:\n"
+            f"{identity_line(identity_path)}"
+        )
     return AllowlistAuthorizer(private_key, allowlist)
 
 
@@ -98,10 +106,12 @@ def check_own_peer_id(dht: hivemind.DHT, authorizer: AllowlistAuthorizer, path: 
     peer_id = dht.peer_id.to_base58()
     if peer_id not in authorizer.allowlist.peer_ids:
         line = allowlist_line(peer_id, authorizer.local_public_key)
-        raise AuthorizationError(f"this peer's ID is not in --authorized_keys {path}; the run owner must add:\n"
-                                 f"{line}")
-    logger.info("Authorization on: %d peers allowed; this peer's line:\n%s", len(authorizer.allowlist.peer_ids),
-                allowlist_line(peer_id, authorizer.local_public_key))
+        raise AuthorizationError(f"this peer's ID is not in --authorized_keys {path}; the run owner must add:\n{line}")
+    logger.info(
+        "Authorization on: %d peers allowed; this peer's line:\n%s",
+        len(authorizer.allowlist.peer_ids),
+        allowlist_line(peer_id, authorizer.local_public_key),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -6,6 +6,7 @@ above). Values are merged as: dataclass defaults < YAML run preset (``--config``
 Constructing the dataclasses runs their ``__post_init__`` validation; any invalid value ends the
 program with exit status 2 and a message that says what is valid (argparse's convention).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,11 @@ def field_docs(cls: type) -> Dict[str, str]:
                 continue
             name = node.target.id
             following = body[index + 1] if index + 1 < len(body) else None
-            if (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                    and isinstance(following.value.value, str)):
+            if (
+                isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
                 docs[name] = inspect.cleandoc(following.value.value)
                 continue
             comment = _comment_for(lines, node.lineno - 1, node.end_lineno - 1)
@@ -54,7 +58,7 @@ def field_docs(cls: type) -> Dict[str, str]:
 
 
 def _comment_for(lines: List[str], first: int, last: int) -> str:
-    trailing = [line.split("#", 1)[1].strip() for line in lines[first:last + 1] if "#" in line]
+    trailing = [line.split("#", 1)[1].strip() for line in lines[first : last + 1] if "#" in line]
     if trailing:
         return " ".join(trailing)
     above = []
@@ -123,8 +127,14 @@ def _default_text(field: dataclasses.Field) -> str:
 class DataclassArgumentParser(argparse.ArgumentParser):
     """argparse over several config dataclasses, plus ``--config`` for a YAML run preset."""
 
-    def __init__(self, dataclass_types: Sequence[Type], *, preset_dirs: Sequence[Path] = (),
-                 preset_only: Sequence[Type] = (), **kwargs):
+    def __init__(
+        self,
+        dataclass_types: Sequence[Type],
+        *,
+        preset_dirs: Sequence[Path] = (),
+        preset_only: Sequence[Type] = (),
+        **kwargs,
+    ):
         """``preset_only``: dataclasses whose fields a preset may set (type-checked, then dropped) but that get
         no flag and no instance; lets one program read presets written for another (the aux peer reads the
         trainers' presets) while a misspelt key still ends the program."""
@@ -135,10 +145,14 @@ class DataclassArgumentParser(argparse.ArgumentParser):
         self.preset_dirs = [Path(d) for d in preset_dirs]
         self._owner: Dict[str, Type] = {}
         self._parsers: Dict[str, Dict[str, Any]] = {}
-        self.add_argument("--config", metavar="PRESET_OR_YAML",
-                          help="run preset: a name from " + ", ".join(str(d) for d in self.preset_dirs)
-                               + " or a path to a YAML file of flag: value pairs; flags given on the command "
-                               "line override it")
+        self.add_argument(
+            "--config",
+            metavar="PRESET_OR_YAML",
+            help="run preset: a name from "
+            + ", ".join(str(d) for d in self.preset_dirs)
+            + " or a path to a YAML file of flag: value pairs; flags given on the command "
+            "line override it",
+        )
         for cls in self.dataclass_types:
             self._add_dataclass(cls)
         for cls in preset_only:
@@ -152,8 +166,10 @@ class DataclassArgumentParser(argparse.ArgumentParser):
             if not field.init or field.name.startswith("_"):
                 continue
             if field.name in self._owner:
-                raise ValueError(f"field {field.name} is defined by both {self._owner[field.name].__name__} "
-                                 f"and {cls.__name__}; flag names must be unique")
+                raise ValueError(
+                    f"field {field.name} is defined by both {self._owner[field.name].__name__} "
+                    f"and {cls.__name__}; flag names must be unique"
+                )
             self._owner[field.name] = cls
             kwargs = _flag_kwargs(hints[field.name])
             self._parsers[field.name] = kwargs
@@ -180,8 +196,10 @@ class DataclassArgumentParser(argparse.ArgumentParser):
             path = next((c for c in candidates if c.exists()), path)
         if not path.is_file():
             available = sorted(p.stem for d in self.preset_dirs if d.is_dir() for p in d.glob("*.yaml"))
-            self.error(f"--config {name_or_path}: no such preset or YAML file; available presets: "
-                       f"{', '.join(available) or 'none'} (or give a path to a .yaml file)")
+            self.error(
+                f"--config {name_or_path}: no such preset or YAML file; available presets: "
+                f"{', '.join(available) or 'none'} (or give a path to a .yaml file)"
+            )
         try:
             values = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
@@ -190,8 +208,10 @@ class DataclassArgumentParser(argparse.ArgumentParser):
             self.error(f"--config {path}: expected a mapping of flag names to values, got {type(values).__name__}")
         unknown = sorted(set(values) - set(self._owner))
         if unknown:
-            self.error(f"--config {path}: unknown keys {', '.join(unknown)}; valid keys are the flag names: "
-                       f"{', '.join(self.known_fields())}")
+            self.error(
+                f"--config {path}: unknown keys {', '.join(unknown)}; valid keys are the flag names: "
+                f"{', '.join(self.known_fields())}"
+            )
         return {name: self._coerce(path, name, value) for name, value in values.items()}
 
     def _coerce(self, path: Path, name: str, value: Any) -> Any:
@@ -209,8 +229,10 @@ class DataclassArgumentParser(argparse.ArgumentParser):
         except (argparse.ArgumentTypeError, ValueError) as e:
             self.error(f"--config {path}: invalid value for {name}: {e}")
         if "choices" in kwargs and parsed not in kwargs["choices"]:
-            self.error(f"--config {path}: invalid value for {name}: {value!r}; choose from "
-                       f"{', '.join(map(str, kwargs['choices']))}")
+            self.error(
+                f"--config {path}: invalid value for {name}: {value!r}; choose from "
+                f"{', '.join(map(str, kwargs['choices']))}"
+            )
         return parsed
 
     def parse_into_dataclasses(self, argv: Optional[Sequence[str]] = None) -> Tuple[Any, ...]:

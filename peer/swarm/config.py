@@ -5,6 +5,7 @@ settings to build the trainers' optimizer, and checks (then drops) the training 
 in ``peer.swarm.network.NetworkArguments`` and data settings in ``peer.swarm.data.DataArguments``. Every field
 has a docstring: it is the ``--help`` text of its flag.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,20 +63,26 @@ class CollaborationArguments:
     """Log hivemind's internal events (matchmaking, averaging rounds, state downloads)."""
 
     def __post_init__(self):
-        require(isinstance(self.target_batch_size, int) and self.target_batch_size > 0,
-                 f"target_batch_size must be a positive integer, got {self.target_batch_size!r}")
+        require(
+            isinstance(self.target_batch_size, int) and self.target_batch_size > 0,
+            f"target_batch_size must be a positive integer, got {self.target_batch_size!r}",
+        )
         positive(self, "matchmaking_time", "averaging_timeout", "load_state_timeout")
         if self.request_timeout is None:
             self.request_timeout = min(3.0, 0.8 * self.matchmaking_time)
         positive(self, "request_timeout")
         # hivemind's matchmaking can deadlock when a reply may take longer than a matchmaking round
-        require(self.request_timeout < self.matchmaking_time,
-                 f"request_timeout ({self.request_timeout}) must be smaller than matchmaking_time "
-                 f"({self.matchmaking_time}); e.g. --request_timeout {0.8 * self.matchmaking_time:g}")
+        require(
+            self.request_timeout < self.matchmaking_time,
+            f"request_timeout ({self.request_timeout}) must be smaller than matchmaking_time "
+            f"({self.matchmaking_time}); e.g. --request_timeout {0.8 * self.matchmaking_time:g}",
+        )
         if self.allreduce_timeout is not None:
             positive(self, "allreduce_timeout")
-        require(not self.delay_grad_averaging or self.delay_optimizer_step,
-                 "delay_grad_averaging requires delay_optimizer_step: add --delay_optimizer_step")
+        require(
+            not self.delay_grad_averaging or self.delay_optimizer_step,
+            "delay_grad_averaging requires delay_optimizer_step: add --delay_optimizer_step",
+        )
         integer_at_least(self, 1, "average_state_every", "compression_threshold", "min_peers", "load_state_attempts")
         non_negative(self, "startup_wait", "final_sync_timeout", "contribution_clip")
         positive(self, "metrics_expiration")
@@ -115,17 +122,25 @@ class OptimizerArguments:
     def __post_init__(self):
         positive(self, "learning_rate", "adam_epsilon", "clamp_value")
         non_negative(self, "min_learning_rate", "weight_decay", "max_grad_norm")
-        require(self.min_learning_rate <= self.learning_rate,
-                 f"min_learning_rate ({self.min_learning_rate}) must not exceed learning_rate ({self.learning_rate})")
+        require(
+            self.min_learning_rate <= self.learning_rate,
+            f"min_learning_rate ({self.min_learning_rate}) must not exceed learning_rate ({self.learning_rate})",
+        )
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             require(0.0 <= value < 1.0, f"{name} must be in [0, 1), got {value}")
-        require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
-                 f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
-        require(isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps,
-                 f"total_steps ({self.total_steps}) must be an integer larger than warmup_steps ({self.warmup_steps})")
-        require(isinstance(self.min_8bit_size, int) and self.min_8bit_size >= 1,
-                 f"min_8bit_size must be an integer >= 1, got {self.min_8bit_size!r}")
+        require(
+            isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+            f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}",
+        )
+        require(
+            isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps,
+            f"total_steps ({self.total_steps}) must be an integer larger than warmup_steps ({self.warmup_steps})",
+        )
+        require(
+            isinstance(self.min_8bit_size, int) and self.min_8bit_size >= 1,
+            f"min_8bit_size must be an integer >= 1, got {self.min_8bit_size!r}",
+        )
 
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
@@ -169,14 +184,23 @@ class TrainingArguments:
 
     def __post_init__(self):
         integer_at_least(self, 1, "per_device_batch_size", "gradient_accumulation_steps", "log_every_steps")
-        require(self.max_epochs is None or (isinstance(self.max_epochs, int) and self.max_epochs >= 1),
-                 f"max_epochs must be an integer >= 1 (or None to train until interrupted), got {self.max_epochs!r}")
-        require(isinstance(self.backup_every_epochs, int) and self.backup_every_epochs >= 0,
-                 f"backup_every_epochs must be an integer >= 0 (0 disables backups), got {self.backup_every_epochs!r}")
-        require(self.precision in PRECISIONS,
-                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        require(self.loss_chunk_size is None or self.loss_chunk_size >= 0,
-                 f"loss_chunk_size must be a number of tokens >= 0 (0: full logits), got {self.loss_chunk_size!r}")
-        require(self.torch_threads is None or self.torch_threads >= 1,
-                 f"torch_threads must be a positive integer, got {self.torch_threads!r}")
+        require(
+            self.max_epochs is None or (isinstance(self.max_epochs, int) and self.max_epochs >= 1),
+            f"max_epochs must be an integer >= 1 (or None to train until interrupted), got {self.max_epochs!r}",
+        )
+        require(
+            isinstance(self.backup_every_epochs, int) and self.backup_every_epochs >= 0,
+            f"backup_every_epochs must be an integer >= 0 (0 disables backups), got {self.backup_every_epochs!r}",
+        )
+        require(
+            self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+        )
+        require(
+            self.loss_chunk_size is None or self.loss_chunk_size >= 0,
+            f"loss_chunk_size must be a number of tokens >= 0 (0: full logits), got {self.loss_chunk_size!r}",
+        )
+        require(
+            self.torch_threads is None or self.torch_threads >= 1,
+            f"torch_threads must be a positive integer, got {self.torch_threads!r}",
+        )
         require(bool(self.model_config), "model_config must name a preset (e.g. tiny) or a JSON file")

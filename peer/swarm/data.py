@@ -12,6 +12,7 @@ tokenize (eos after each document) -> pack into blocks of ``max_sequence_length`
 padding and no token lost -> ``make_batches`` cuts the token stream into rows of the current
 (warm-up) sequence length.
 """
+
 from __future__ import annotations
 
 import glob
@@ -35,8 +36,10 @@ _COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst", ".lz4"}
 _TEXT_SAMPLE_BY = ("line", "paragraph", "document")
 _LOG_INTERVAL_S = 30.0  # how often a long tokenization pass reports progress
 _SEQ_MULTIPLE = 8  # warm-up lengths are multiples of 8 (tensor-core friendly shapes)
-_SOURCE_HELP = ("'shipped', a local .txt/.json/.jsonl/.parquet file, folder or glob, "
-                "or a Hugging Face dataset name such as 'wikitext'")
+_SOURCE_HELP = (
+    "'shipped', a local .txt/.json/.jsonl/.parquet file, folder or glob, "
+    "or a Hugging Face dataset name such as 'wikitext'"
+)
 
 
 def shipped_corpus_dir() -> Path:
@@ -89,20 +92,25 @@ class DataArguments:
             raise ValueError(f"dataset must be {_SOURCE_HELP}; got {self.dataset!r}")
         source = _resolve_source(self.dataset)  # raises for a missing local path
         if self.dataset_config is not None and source.kind != "hub":
-            raise ValueError(f"dataset_config={self.dataset_config!r} applies only to Hugging Face dataset names, "
-                             f"not to {self.dataset!r}; drop it")
+            raise ValueError(
+                f"dataset_config={self.dataset_config!r} applies only to Hugging Face dataset names, "
+                f"not to {self.dataset!r}; drop it"
+            )
         for name in ("text_column", "train_split", "validation_split", "tokenizer"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string")
         if self.text_sample_by not in _TEXT_SAMPLE_BY:
             raise ValueError(f"text_sample_by must be one of {_TEXT_SAMPLE_BY}; got {self.text_sample_by!r}")
         if self.max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be a positive number of tokens (e.g. 128); "
-                             f"got {self.max_sequence_length}")
+            raise ValueError(
+                f"max_sequence_length must be a positive number of tokens (e.g. 128); got {self.max_sequence_length}"
+            )
         start = self.seq_warmup_start_length
         if start < 0 or (0 < start < self.max_sequence_length and start % _SEQ_MULTIPLE):
-            raise ValueError(f"seq_warmup_start_length must be a positive multiple of {_SEQ_MULTIPLE} below "
-                             f"max_sequence_length={self.max_sequence_length}, or 0 to disable warm-up; got {start}")
+            raise ValueError(
+                f"seq_warmup_start_length must be a positive multiple of {_SEQ_MULTIPLE} below "
+                f"max_sequence_length={self.max_sequence_length}, or 0 to disable warm-up; got {start}"
+            )
         if self.seq_warmup_epochs < 0:
             raise ValueError(f"seq_warmup_epochs must be >= 0 (0 disables warm-up); got {self.seq_warmup_epochs}")
         if self.shuffle_buffer_size < 1:
@@ -141,11 +149,14 @@ def _builder_for(path: Path) -> str | None:
 def _single_builder(files: Iterable[Path], where: str) -> str:
     builders = {_builder_for(f) for f in files} - {None}
     if not builders:
-        raise FileNotFoundError(f"no .txt/.json/.jsonl/.parquet files in {where}; "
-                                f"point dataset at such files or use dataset='shipped'")
+        raise FileNotFoundError(
+            f"no .txt/.json/.jsonl/.parquet files in {where}; point dataset at such files or use dataset='shipped'"
+        )
     if len(builders) > 1:
-        raise ValueError(f"{where} mixes file types ({', '.join(sorted(builders))}); "
-                         f"use one type of file per dataset, e.g. a glob such as 'data/*.jsonl'")
+        raise ValueError(
+            f"{where} mixes file types ({', '.join(sorted(builders))}); "
+            f"use one type of file per dataset, e.g. a glob such as 'data/*.jsonl'"
+        )
     return builders.pop()
 
 
@@ -159,15 +170,20 @@ def _resolve_source(dataset: str) -> _Source:
         files = (shipped_corpus_dir() / "train.txt", shipped_corpus_dir() / "validation.txt")
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
-            raise FileNotFoundError(f"the shipped corpus is missing {missing}; reinstall leanhive or rebuild it "
-                                    f"with scripts/build_assets.py")
+            raise FileNotFoundError(
+                f"the shipped corpus is missing {missing}; reinstall leanhive or rebuild it "
+                f"with scripts/build_assets.py"
+            )
         return _Source("shipped", "text", files)
     path = Path(dataset).expanduser()
     if path.is_file():
         return _Source("files", _single_builder([path], str(path)), (path,))
     if path.is_dir():
-        visible = [p for p in path.rglob("*") if p.is_file() and not any(
-            part.startswith((".", "__")) for part in p.relative_to(path).parts)]
+        visible = [
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith((".", "__")) for part in p.relative_to(path).parts)
+        ]
         return _Source("folder", _single_builder(visible, f"folder {path}"))
     if glob.has_magic(dataset):
         matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
@@ -175,8 +191,10 @@ def _resolve_source(dataset: str) -> _Source:
             raise FileNotFoundError(f"no file matches {dataset!r}; check the pattern (e.g. 'data/*.jsonl')")
         return _Source("files", _single_builder(matches, f"files matching {dataset!r}"), tuple(matches))
     if _looks_like_path(dataset):
-        raise FileNotFoundError(f"dataset {dataset!r} looks like a local path but does not exist; "
-                                f"pass an existing file, folder or glob, or use dataset='shipped'")
+        raise FileNotFoundError(
+            f"dataset {dataset!r} looks like a local path but does not exist; "
+            f"pass an existing file, folder or glob, or use dataset='shipped'"
+        )
     return _Source("hub")
 
 
@@ -194,9 +212,11 @@ def _load_dataset_call(args: DataArguments, split: str) -> tuple[tuple, dict]:
         return ("text",), {**kwargs, "data_files": {split: str(files[split])}}
     if source.kind == "files":
         if split != args.train_split:
-            raise ValueError(f"{args.dataset!r} is one split ({args.train_split!r}), it has no split {split!r}; "
-                             f"for a validation split put the files in a folder as train.* and validation.* "
-                             f"and pass the folder as dataset")
+            raise ValueError(
+                f"{args.dataset!r} is one split ({args.train_split!r}), it has no split {split!r}; "
+                f"for a validation split put the files in a folder as train.* and validation.* "
+                f"and pass the folder as dataset"
+            )
         return (source.builder,), {**kwargs, "data_files": {split: [str(f) for f in source.files]}}
     # A folder and a Hub name take the same call: datasets infers the splits from the file names.
     path = str(Path(args.dataset).expanduser()) if source.kind == "folder" else args.dataset
@@ -211,17 +231,23 @@ def _load_raw_split(args: DataArguments, split: str):
     try:
         return datasets.load_dataset(*positional, **kwargs)
     except ConnectionError as error:
-        raise ConnectionError(f"could not reach the Hugging Face Hub for dataset {args.dataset!r}: a Hub dataset "
-                              f"needs network access. Offline, pass a local path (file, folder or glob of "
-                              f".txt/.json/.jsonl/.parquet) or dataset='shipped'") from error
+        raise ConnectionError(
+            f"could not reach the Hugging Face Hub for dataset {args.dataset!r}: a Hub dataset "
+            f"needs network access. Offline, pass a local path (file, folder or glob of "
+            f".txt/.json/.jsonl/.parquet) or dataset='shipped'"
+        ) from error
     except datasets.exceptions.DatasetNotFoundError as error:
-        raise FileNotFoundError(f"dataset {args.dataset!r} is neither a local path nor a dataset on the Hugging "
-                                f"Face Hub; dataset must be {_SOURCE_HELP}") from error
+        raise FileNotFoundError(
+            f"dataset {args.dataset!r} is neither a local path nor a dataset on the Hugging "
+            f"Face Hub; dataset must be {_SOURCE_HELP}"
+        ) from error
     except ValueError as error:
         if "split" not in str(error).lower():
             raise
-        raise ValueError(f"dataset {args.dataset!r} has no split {split!r} ({error}); set "
-                         f"train_split/validation_split to one of its splits") from error
+        raise ValueError(
+            f"dataset {args.dataset!r} has no split {split!r} ({error}); set "
+            f"train_split/validation_split to one of its splits"
+        ) from error
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,8 +261,10 @@ def load_tokenizer(args: DataArguments):
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     except (OSError, ValueError) as error:
-        raise OSError(f"could not load tokenizer {args.tokenizer!r} ({error}); pass a local tokenizer folder or a "
-                      f"Hugging Face name (needs network). The shipped one is {shipped_tokenizer_dir()}") from error
+        raise OSError(
+            f"could not load tokenizer {args.tokenizer!r} ({error}); pass a local tokenizer folder or a "
+            f"Hugging Face name (needs network). The shipped one is {shipped_tokenizer_dir()}"
+        ) from error
     _document_separator_id(tokenizer)  # fail now rather than mid-training
     return tokenizer
 
@@ -244,17 +272,21 @@ def load_tokenizer(args: DataArguments):
 def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
     """Every token id must have an embedding row: ValueError (saying which flags to fix) otherwise."""
     if len(tokenizer) > vocab_size:
-        raise ValueError(f"the tokenizer {tokenizer.name_or_path!r} has {len(tokenizer)} tokens but the model's "
-                         f"vocab_size is {vocab_size}; use the --tokenizer the run was made for, or a "
-                         f"--model_config with vocab_size >= {len(tokenizer)}")
+        raise ValueError(
+            f"the tokenizer {tokenizer.name_or_path!r} has {len(tokenizer)} tokens but the model's "
+            f"vocab_size is {vocab_size}; use the --tokenizer the run was made for, or a "
+            f"--model_config with vocab_size >= {len(tokenizer)}"
+        )
 
 
 def _document_separator_id(tokenizer) -> int:
     for token_id in (tokenizer.eos_token_id, tokenizer.sep_token_id):
         if token_id is not None:
             return token_id
-    raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has neither an eos nor a sep token to separate "
-                     f"documents; use a tokenizer that has one, e.g. the shipped tokenizer")
+    raise ValueError(
+        f"tokenizer {tokenizer.name_or_path!r} has neither an eos nor a sep token to separate "
+        f"documents; use a tokenizer that has one, e.g. the shipped tokenizer"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,8 +304,10 @@ def _tokenize(raw, args: DataArguments, tokenizer):
     """Rows of ``{"input_ids": document tokens + [eos]}``; empty documents are dropped."""
     columns = _column_names(raw)
     if args.text_column not in columns:
-        raise ValueError(f"text column {args.text_column!r} not found in dataset {args.dataset!r}; available "
-                         f"columns: {columns}. Pass text_column=<one of them>")
+        raise ValueError(
+            f"text column {args.text_column!r} not found in dataset {args.dataset!r}; available "
+            f"columns: {columns}. Pass text_column=<one of them>"
+        )
     separator = _document_separator_id(tokenizer)
     column = args.text_column
 
@@ -281,8 +315,10 @@ def _tokenize(raw, args: DataArguments, tokenizer):
         texts = []
         for text in batch[column]:
             if text is not None and not isinstance(text, str):
-                raise TypeError(f"column {column!r} holds {type(text).__name__} values, not text; "
-                                f"set text_column to a column of strings")
+                raise TypeError(
+                    f"column {column!r} holds {type(text).__name__} values, not text; "
+                    f"set text_column to a column of strings"
+                )
             if text and text.strip():
                 texts.append(text.strip())
         if not texts:  # a fast tokenizer fails on an empty batch
@@ -304,8 +340,9 @@ def _derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) % 2**64 for p in parts]).generate_state(1)[0])
 
 
-def _documents_in_order(tokenized, *, seed: int | None, epoch: int, buffer_size: int,
-                        progress_label: str) -> Iterator[list[int]]:
+def _documents_in_order(
+    tokenized, *, seed: int | None, epoch: int, buffer_size: int, progress_label: str
+) -> Iterator[list[int]]:
     """Token lists of one pass; shuffled with (seed, epoch) unless seed is None; logs progress on long passes."""
     import datasets
 
@@ -326,8 +363,10 @@ def _documents_in_order(tokenized, *, seed: int | None, epoch: int, buffer_size:
             last_log = time.perf_counter()
             logger.info("%s: tokenized %d documents, %d tokens so far", progress_label, n_documents, n_tokens)
     if n_documents == 0:
-        raise ValueError(f"{progress_label}: the dataset has no non-empty document; check the dataset path, "
-                         f"its split and text_column")
+        raise ValueError(
+            f"{progress_label}: the dataset has no non-empty document; check the dataset path, "
+            f"its split and text_column"
+        )
     logger.info("%s: %d documents, %d tokens", progress_label, n_documents, n_tokens)
 
 
@@ -358,10 +397,13 @@ class PackedTrainStream:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         leftover: list[int] = []
         for epoch in itertools.count():
-            documents = _documents_in_order(self._tokenized, seed=self.seed, epoch=epoch,
-                                            buffer_size=self._args.shuffle_buffer_size,
-                                            progress_label=f"{self._args.dataset!r} {self._args.train_split} "
-                                                           f"pass {epoch}")
+            documents = _documents_in_order(
+                self._tokenized,
+                seed=self.seed,
+                epoch=epoch,
+                buffer_size=self._args.shuffle_buffer_size,
+                progress_label=f"{self._args.dataset!r} {self._args.train_split} pass {epoch}",
+            )
             for block in _pack(documents, self._args.max_sequence_length, leftover):
                 yield {"input_ids": block}
 
@@ -375,13 +417,16 @@ def build_train_dataset(args: DataArguments, tokenizer, *, peer_seed: int) -> Pa
 def build_validation_dataset(args: DataArguments, tokenizer) -> list[dict[str, torch.Tensor]]:
     """Deterministic validation blocks in file order: at most ``max_validation_blocks``, the partial tail dropped."""
     tokenized = _tokenize(_load_raw_split(args, args.validation_split), args, tokenizer)
-    documents = _documents_in_order(tokenized, seed=None, epoch=0, buffer_size=0,
-                                    progress_label=f"{args.dataset!r} {args.validation_split}")
+    documents = _documents_in_order(
+        tokenized, seed=None, epoch=0, buffer_size=0, progress_label=f"{args.dataset!r} {args.validation_split}"
+    )
     blocks = _pack(documents, args.max_sequence_length, leftover=[])
     validation = [{"input_ids": block} for block in itertools.islice(blocks, args.max_validation_blocks)]
     if not validation:
-        raise ValueError(f"validation split {args.validation_split!r} of {args.dataset!r} has fewer tokens than "
-                         f"one block of max_sequence_length={args.max_sequence_length}")
+        raise ValueError(
+            f"validation split {args.validation_split!r} of {args.dataset!r} has fewer tokens than "
+            f"one block of max_sequence_length={args.max_sequence_length}"
+        )
     return validation
 
 
@@ -409,8 +454,9 @@ class SequenceLengthSchedule:
         return max(self.start_length, int(length) // _SEQ_MULTIPLE * _SEQ_MULTIPLE)
 
 
-def make_batches(stream: Iterable[dict[str, torch.Tensor]], batch_size: int,
-                 seq_len: int | Callable[[], int]) -> Iterator[dict[str, torch.Tensor]]:
+def make_batches(
+    stream: Iterable[dict[str, torch.Tensor]], batch_size: int, seq_len: int | Callable[[], int]
+) -> Iterator[dict[str, torch.Tensor]]:
     """Cut a stream of packed blocks into ``{"input_ids": LongTensor[batch_size, seq_len]}``.
 
     Blocks are consecutive pieces of one token stream, so rows are cut across block boundaries and
@@ -444,8 +490,13 @@ def make_batches(stream: Iterable[dict[str, torch.Tensor]], batch_size: int,
 # ALBERT-style masked-LM inputs
 
 
-def make_mlm_batch(input_ids: torch.Tensor, tokenizer, mlm_probability: float = 0.15,
-                   generator: torch.Generator | None = None, sentence_order: bool = True) -> dict[str, torch.Tensor]:
+def make_mlm_batch(
+    input_ids: torch.Tensor,
+    tokenizer,
+    mlm_probability: float = 0.15,
+    generator: torch.Generator | None = None,
+    sentence_order: bool = True,
+) -> dict[str, torch.Tensor]:
     """Masked-LM and sentence-order-prediction inputs from packed rows ``[batch, seq]``.
 
     Sentence order (ALBERT): each row is cut in two halves that are swapped with probability 0.5;
@@ -456,8 +507,10 @@ def make_mlm_batch(input_ids: torch.Tensor, tokenizer, mlm_probability: float = 
     if not 0.0 < mlm_probability < 1.0:
         raise ValueError(f"mlm_probability must be in (0, 1), e.g. 0.15; got {mlm_probability}")
     if tokenizer.mask_token_id is None:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no mask token; the MLM head needs one "
-                         f"(the shipped tokenizer has [MASK])")
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path!r} has no mask token; the MLM head needs one "
+            f"(the shipped tokenizer has [MASK])"
+        )
     batch, length = input_ids.shape
     input_ids = input_ids.clone()
     out: dict[str, torch.Tensor] = {}

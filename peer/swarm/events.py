@@ -19,6 +19,7 @@ flushed as it happens. The events and their fields:
 The log says the same for humans; this file is the stable, machine-readable form. One sink per process, opened
 by the entry point (``open_events``); without it ``emit`` does nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,8 +70,12 @@ def emit(event: str, **fields) -> None:
     """Write one event line (no-op without an events file); never raises into the caller."""
     if _sink is None:
         return
-    record = {"event": event, "time": time.time(), "pid": os.getpid(),
-              **{name: _plain(value) for name, value in fields.items()}}
+    record = {
+        "event": event,
+        "time": time.time(),
+        "pid": os.getpid(),
+        **{name: _plain(value) for name, value in fields.items()},
+    }
     try:
         line = json.dumps(record, default=str)
         with _lock:

@@ -1,4 +1,5 @@
 """A peer's identity: the persistent RSA key that signs its DHT records, kept beside its libp2p identity file."""
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,10 @@ def load_or_create_signing_key(path: Optional[str]) -> RSAPrivateKey:
         try:
             return private_key_from_der(key_path.read_bytes())
         except Exception as e:
-            raise NetworkSetupError(f"signing key {key_path} is unreadable or corrupt ({e}); move it away "
-                                "to generate a new one (the peer will get a new metrics identity)") from None
+            raise NetworkSetupError(
+                f"signing key {key_path} is unreadable or corrupt ({e}); move it away "
+                "to generate a new one (the peer will get a new metrics identity)"
+            ) from None
     key = RSAPrivateKey()
     key_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=key_path.parent, prefix=key_path.name + ".tmp")

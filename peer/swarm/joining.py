@@ -4,6 +4,7 @@ after an isolation, and the final barrier at max_epochs.
 Every peer's view of the others comes from ``peer.swarm.records`` (one reader for hivemind's progress and
 state-sharing records).
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,9 @@ def count_other_state_sharing_peers(dht: hivemind.DHT, run_id: str) -> int:
     return sum(1 for peer_id in read_state_sharing(dht, run_id) if peer_id != own_id)
 
 
-def wait_for_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str,
-                   collab: CollaborationArguments) -> None:
+def wait_for_swarm(
+    optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, collab: CollaborationArguments
+) -> None:
     """Wait (at most startup_wait s) for the swarm's progress and for min_peers peers to be online."""
     deadline = time.monotonic() + collab.startup_wait
     optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout=collab.startup_wait)
@@ -39,14 +41,17 @@ def wait_for_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str,
             time.sleep(0.5)
             online = 1 + count_other_state_sharing_peers(dht, run_id)
         if online < collab.min_peers:
-            logger.warning("Only %d of min_peers=%d peers are online after %.0f s; starting anyway",
-                           online, collab.min_peers, collab.startup_wait)
+            logger.warning(
+                "Only %d of min_peers=%d peers are online after %.0f s; starting anyway",
+                online,
+                collab.min_peers,
+                collab.startup_wait,
+            )
         else:
             logger.info("%d peers online; starting", online)
 
 
-def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str,
-               collab: CollaborationArguments) -> bool:
+def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, collab: CollaborationArguments) -> bool:
     """Load the swarm's state if anyone else is training; True if a state arrived.
 
     hivemind's load_state_from_peers returns quietly when nobody answers, so the arrival is checked and
@@ -54,21 +59,29 @@ def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str,
     """
     progress = optimizer.tracker.global_progress
     if progress.num_peers > 0 and optimizer.local_epoch > progress.epoch:
-        logger.info("The local backup (epoch %d) is ahead of the swarm (epoch %d): the others will load it",
-                    optimizer.local_epoch, progress.epoch)
+        logger.info(
+            "The local backup (epoch %d) is ahead of the swarm (epoch %d): the others will load it",
+            optimizer.local_epoch,
+            progress.epoch,
+        )
         return False
-    others = (progress.num_peers > 0 or progress.epoch > optimizer.local_epoch
-              or count_other_state_sharing_peers(dht, run_id) > 0)
+    others = (
+        progress.num_peers > 0
+        or progress.epoch > optimizer.local_epoch
+        or count_other_state_sharing_peers(dht, run_id) > 0
+    )
     if not others:
-        logger.info("No other peers reported progress: starting a new collaboration at epoch %d",
-                    optimizer.local_epoch)
+        logger.info("No other peers reported progress: starting a new collaboration at epoch %d", optimizer.local_epoch)
         return False
     if download_state(optimizer, collab.load_state_attempts):
         logger.info("Loaded the swarm's state: now at global epoch %d", optimizer.local_epoch)
         events.emit("state_loaded", epoch=optimizer.local_epoch, source="swarm", reason="join", path=None)
         return True
-    logger.warning("Could not download the swarm's state; training on from the local state at epoch %d "
-                   "(hivemind retries when it notices this peer is behind)", optimizer.local_epoch)
+    logger.warning(
+        "Could not download the swarm's state; training on from the local state at epoch %d "
+        "(hivemind retries when it notices this peer is behind)",
+        optimizer.local_epoch,
+    )
     return False
 
 
@@ -90,8 +103,11 @@ def download_state(optimizer: LeanHiveOptimizer, attempts: int, pause: float = 2
 def _fresh_progress(dht: hivemind.DHT, run_id: str, stale_after: float) -> Dict[bytes, Tuple[int, bool]]:
     """peer_id -> (epoch, client_mode) of peers whose training progress was reported recently."""
     now = get_dht_time()
-    return {record.peer_id: (record.epoch, record.client_mode) for record in read_progress(dht, run_id)
-            if now - record.time <= stale_after}
+    return {
+        record.peer_id: (record.epoch, record.client_mode)
+        for record in read_progress(dht, run_id)
+        if now - record.time <= stale_after
+    }
 
 
 def _final_priority(epoch: int, arrival: float) -> float:
@@ -100,8 +116,14 @@ def _final_priority(epoch: int, arrival: float) -> float:
     return epoch + 0.5 + 0.4 * (1.0 - (arrival % 1e5) / 1e5)
 
 
-def final_barrier(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, epoch: int,
-                  collab: CollaborationArguments, stop: Optional[threading.Event] = None) -> bool:
+def final_barrier(
+    optimizer: LeanHiveOptimizer,
+    dht: hivemind.DHT,
+    run_id: str,
+    epoch: int,
+    collab: CollaborationArguments,
+    stop: Optional[threading.Event] = None,
+) -> bool:
     """At max_epochs: wait for the peers still training, then all take the parameters of one elected peer.
 
     A peer that finished its last epoch a moment after the others missed their last all-reduce and
@@ -136,8 +158,9 @@ def final_barrier(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, 
     # the state may be missing from one of the two for a moment, so both are watched
     while True:
         progress, priorities = others_now()
-        if (all(e >= epoch for e, _ in progress.values()) and all(v >= epoch for v in priorities.values())) \
-                or out_of_time():
+        if (
+            all(e >= epoch for e, _ in progress.values()) and all(v >= epoch for v in priorities.values())
+        ) or out_of_time():
             break
         keep_reporting()
         time.sleep(0.5)
@@ -198,8 +221,11 @@ def resync_with_swarm(optimizer: LeanHiveOptimizer, attempts: int = 3, epoch_tim
         epoch = _read_swarm_epoch(optimizer)
         if epoch is None or optimizer.local_epoch >= epoch:
             return epoch is not None
-        logger.info("Re-joined at epoch %d while the swarm is at %d: downloading its state when it starts its "
-                    "next epoch", optimizer.local_epoch, epoch)
+        logger.info(
+            "Re-joined at epoch %d while the swarm is at %d: downloading its state when it starts its next epoch",
+            optimizer.local_epoch,
+            epoch,
+        )
         deadline = time.monotonic() + epoch_timeout
         while time.monotonic() < deadline and (_read_swarm_epoch(optimizer) or 0) <= epoch:
             time.sleep(0.25)

@@ -10,6 +10,7 @@ parameter instead of 8). Steps:
 2. per tensor: Adam moments (optionally bias-corrected), plus decoupled weight decay for decaying groups;
 3. the update is scaled by the trust ratio min(|p|, clamp_value) / |update| (LAMB, You et al. 2019).
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,6 +28,7 @@ _QUANTIZED_KEYS = ("exp_avg_q", "exp_avg_sq_q")
 def _bnb_functional():
     # imported lazily: importing bitsandbytes prints a warning about optional CPU kernels
     import bitsandbytes.functional as bnb_functional
+
     return bnb_functional
 
 
@@ -37,12 +39,24 @@ class CPULamb8Bit(torch.optim.Optimizer):
     relies on that to ship optimizer state to joining peers (and then skips its zero-gradient warm-up step).
     """
 
-    def __init__(self, params: Iterable, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0, clamp_value: float = 10.0, bias_correction: bool = True,
-                 max_grad_norm: Optional[float] = None, min_8bit_size: int = 4096):
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        clamp_value: float = 10.0,
+        bias_correction: bool = True,
+        max_grad_norm: Optional[float] = None,
+        min_8bit_size: int = 4096,
+    ):
         if lr < 0 or eps <= 0 or weight_decay < 0 or clamp_value <= 0:
-            raise ValueError(f"invalid LAMB hyperparameters: lr={lr}, eps={eps}, weight_decay={weight_decay}, "
-                             f"clamp_value={clamp_value} (need lr >= 0, eps > 0, weight_decay >= 0, clamp_value > 0)")
+            raise ValueError(
+                f"invalid LAMB hyperparameters: lr={lr}, eps={eps}, weight_decay={weight_decay}, "
+                f"clamp_value={clamp_value} (need lr >= 0, eps > 0, weight_decay >= 0, clamp_value > 0)"
+            )
         if not all(0.0 <= beta < 1.0 for beta in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -67,8 +81,11 @@ class CPULamb8Bit(torch.optim.Optimizer):
             for name in ("exp_avg", "exp_avg_sq"):
                 # zeros quantize to code index of 0.0 with any absmax; start from a real quantization of zeros
                 state[f"{name}_q"], state[f"{name}_absmax"] = self._quantize(
-                    torch.zeros_like(param, dtype=torch.float32), signed=name == "exp_avg",
-                    out=torch.empty(param.shape, dtype=torch.uint8), absmax=torch.empty(blocks, dtype=torch.float32))
+                    torch.zeros_like(param, dtype=torch.float32),
+                    signed=name == "exp_avg",
+                    out=torch.empty(param.shape, dtype=torch.uint8),
+                    absmax=torch.empty(blocks, dtype=torch.float32),
+                )
         else:
             state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
@@ -78,8 +95,9 @@ class CPULamb8Bit(torch.optim.Optimizer):
 
     def _quantize(self, values: torch.Tensor, *, signed: bool, out: torch.Tensor, absmax: torch.Tensor):
         code = self._signed_code if signed else self._unsigned_code
-        _bnb_functional().quantize_blockwise(values.contiguous(), code=code, absmax=absmax, out=out,
-                                             blocksize=BLOCK_SIZE)
+        _bnb_functional().quantize_blockwise(
+            values.contiguous(), code=code, absmax=absmax, out=out, blocksize=BLOCK_SIZE
+        )
         return out, absmax
 
     def _dequantize(self, quantized: torch.Tensor, absmax: torch.Tensor, *, signed: bool) -> torch.Tensor:
@@ -96,8 +114,9 @@ class CPULamb8Bit(torch.optim.Optimizer):
 
     @torch.no_grad()
     def global_grad_norm(self) -> torch.Tensor:
-        norms = [p.grad.detach().float().norm() for group in self.param_groups for p in group["params"]
-                 if p.grad is not None]
+        norms = [
+            p.grad.detach().float().norm() for group in self.param_groups for p in group["params"] if p.grad is not None
+        ]
         return torch.stack(norms).norm() if norms else torch.zeros(())
 
     @torch.no_grad()
@@ -110,8 +129,10 @@ class CPULamb8Bit(torch.optim.Optimizer):
         self.last_grad_norm = float(grad_norm)
         if not math.isfinite(self.last_grad_norm):
             self.skipped_steps += 1
-            logger.warning("Skipping the optimizer step: the averaged gradients contain NaN/inf "
-                           "(%d such steps so far)", self.skipped_steps)
+            logger.warning(
+                "Skipping the optimizer step: the averaged gradients contain NaN/inf (%d such steps so far)",
+                self.skipped_steps,
+            )
             return loss
         clip_coef = 1.0
         if self.max_grad_norm and self.last_grad_norm > self.max_grad_norm:
@@ -144,7 +165,7 @@ class CPULamb8Bit(torch.optim.Optimizer):
             self._quantize(exp_avg_sq, signed=False, out=state["exp_avg_sq_q"], absmax=state["exp_avg_sq_absmax"])
 
         if self.bias_correction:
-            first, second = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+            first, second = 1.0 - beta1**step, 1.0 - beta2**step
         else:
             first = second = 1.0
         update = (exp_avg / first) / ((exp_avg_sq / second).sqrt_().add_(group["eps"]))

@@ -4,6 +4,7 @@
 the process with the right exit status. Entry points: parse, ``configure_logging()``, ``process_guard.install()``,
 then ``run_peer``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,6 +37,7 @@ def configure_logging() -> None:
 
 class Peer(Protocol):
     """What run_peer needs of a trainer or aux peer."""
+
     stop_requested: threading.Event
     running: bool  # False until start() has finished joining
 
@@ -73,10 +75,15 @@ class _SignalHandler:
             # still sees the request, and the re-armed deadline raises again if the main thread is stuck elsewhere.
             self._arm_deadline(signum, STOP_RETRY_SECONDS, "The stop signal has not taken effect yet: raising it again")
             raise KeyboardInterrupt
-        logger.info("Received %s: finishing the current step, then leaving the swarm (a second signal stops "
-                    "at once)", signal.Signals(signum).name)
-        self._arm_deadline(signum, STOP_GRACE_SECONDS, f"The current step is still running {STOP_GRACE_SECONDS:.0f} s "
-                                                       "after the stop signal: interrupting it")
+        logger.info(
+            "Received %s: finishing the current step, then leaving the swarm (a second signal stops at once)",
+            signal.Signals(signum).name,
+        )
+        self._arm_deadline(
+            signum,
+            STOP_GRACE_SECONDS,
+            f"The current step is still running {STOP_GRACE_SECONDS:.0f} s after the stop signal: interrupting it",
+        )
 
     def _arm_deadline(self, signum: int, seconds: float, message: str) -> None:
         if self._deadline is not None:
@@ -97,8 +104,12 @@ class _SignalHandler:
             self._deadline.cancel()
 
 
-def run_peer(peer: Peer, *, setup_errors: Tuple[Type[BaseException], ...] = (NetworkSetupError,),
-             events_file: Optional[str] = None) -> int:
+def run_peer(
+    peer: Peer,
+    *,
+    setup_errors: Tuple[Type[BaseException], ...] = (NetworkSetupError,),
+    events_file: Optional[str] = None,
+) -> int:
     """Start, run until done or signalled, always shut down, then end the process (exit 1 on a setup error).
 
     ``events_file``: where the peer's lifecycle events go (peer.swarm.events), if anywhere."""

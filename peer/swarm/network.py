@@ -2,6 +2,7 @@
 
 Trainers and auxiliary peers both use this module, so every peer validates records the same way.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,25 +63,32 @@ class NetworkArguments:
         if isinstance(self.initial_peers, str):
             self.initial_peers = self.initial_peers.split()
         if not self.run_id or any(ch.isspace() for ch in self.run_id) or len(self.run_id) > 128:
-            raise ValueError(f"run_id must be a non-empty name without spaces (at most 128 characters), "
-                             f"got {self.run_id!r}; e.g. --run_id my_gpt_run")
+            raise ValueError(
+                f"run_id must be a non-empty name without spaces (at most 128 characters), "
+                f"got {self.run_id!r}; e.g. --run_id my_gpt_run"
+            )
         for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
             for addr in getattr(self, name):
                 _check_maddr(name, addr, need_peer_id=name == "initial_peers")
         for addr in self.announce_maddrs:
             if addr.rstrip("/").endswith("/tcp/0") or addr.rstrip("/").endswith("/udp/0"):
-                raise ValueError(f"announce_maddrs need an explicit port, got {addr!r}; "
-                                 "e.g. /ip4/203.0.113.7/tcp/31337")
+                raise ValueError(
+                    f"announce_maddrs need an explicit port, got {addr!r}; e.g. /ip4/203.0.113.7/tcp/31337"
+                )
         if self.use_ipfs and self.initial_peers:
             raise ValueError("use_ipfs and initial_peers cannot be combined: pass one of them")
         if self.dht_startup_timeout <= 0:
             raise ValueError(f"dht_startup_timeout must be positive, got {self.dht_startup_timeout}")
         if self.authorized_keys is not None and self.identity_path is None:
-            raise ValueError("authorized_keys needs a stable identity: add --identity_path (e.g. "
-                             "--identity_path keys/peer.key); its line in the allowlist stays valid across restarts")
+            raise ValueError(
+                "authorized_keys needs a stable identity: add --identity_path (e.g. "
+                "--identity_path keys/peer.key); its line in the allowlist stays valid across restarts"
+            )
         if not (self.rejoin_period >= 0 and self.isolation_grace >= 0):
-            raise ValueError(f"rejoin_period and isolation_grace must be zero or positive seconds, got "
-                             f"{self.rejoin_period} and {self.isolation_grace}")
+            raise ValueError(
+                f"rejoin_period and isolation_grace must be zero or positive seconds, got "
+                f"{self.rejoin_period} and {self.isolation_grace}"
+            )
 
 
 def _check_maddr(name: str, addr: str, need_peer_id: bool) -> None:
@@ -90,12 +98,12 @@ def _check_maddr(name: str, addr: str, need_peer_id: bool) -> None:
     except Exception as e:
         raise ValueError(f"{name}: {addr!r} is not a valid multiaddr ({e}); expected e.g. {example}") from None
     if need_peer_id and "/p2p/" not in str(parsed):
-        raise ValueError(f"{name}: {addr!r} has no /p2p/<peer id> part; copy the full line that the "
-                         f"first peer logs, e.g. {example}")
+        raise ValueError(
+            f"{name}: {addr!r} has no /p2p/<peer id> part; copy the full line that the first peer logs, e.g. {example}"
+        )
 
 
-def create_dht(args: NetworkArguments, record_validators: Sequence[RecordValidatorBase],
-               **kwargs) -> hivemind.DHT:
+def create_dht(args: NetworkArguments, record_validators: Sequence[RecordValidatorBase], **kwargs) -> hivemind.DHT:
     """Start a DHT peer, or raise NetworkSetupError that names unreachable peers and suggests fixes."""
     if args.identity_path is not None:
         Path(args.identity_path).parent.mkdir(parents=True, exist_ok=True)
@@ -130,8 +138,10 @@ def create_dht(args: NetworkArguments, record_validators: Sequence[RecordValidat
                 + " If the swarm is private (--authorized_keys), this peer must be in its allowlist."
             ) from None
         if "already taken" in text:
-            raise NetworkSetupError(f"identity {args.identity_path} is already used by a running peer; "
-                                    "give each peer its own --identity_path") from None
+            raise NetworkSetupError(
+                f"identity {args.identity_path} is already used by a running peer; "
+                "give each peer its own --identity_path"
+            ) from None
         raise NetworkSetupError(f"could not start the DHT peer: {text}") from e
     if authorizer is not None:
         try:

@@ -2,6 +2,7 @@
 
 Trainers and auxiliary peers build it with the same factory, so their states can be exchanged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,10 +70,17 @@ def make_scheduler(optimizer: torch.optim.Optimizer, args: OptimizerArguments):
 
 
 def make_lamb(param_groups: List[dict], args: OptimizerArguments) -> CPULamb8Bit:
-    return CPULamb8Bit(param_groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                       eps=args.adam_epsilon, weight_decay=args.weight_decay, clamp_value=args.clamp_value,
-                       bias_correction=args.bias_correction, max_grad_norm=args.max_grad_norm or None,
-                       min_8bit_size=args.min_8bit_size)
+    return CPULamb8Bit(
+        param_groups,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        clamp_value=args.clamp_value,
+        bias_correction=args.bias_correction,
+        max_grad_norm=args.max_grad_norm or None,
+        min_8bit_size=args.min_8bit_size,
+    )
 
 
 # --------------------------------------------------------------------------------------- compression
@@ -84,18 +92,28 @@ def make_compression(args: CollaborationArguments) -> CompressionBase:
         return NoCompression()
     if args.compression == "fp16":
         return Float16Compression()
-    return SizeAdaptiveCompression(threshold=args.compression_threshold, less=Float16Compression(),
-                                   greater_equal=BlockwiseQuantization())
+    return SizeAdaptiveCompression(
+        threshold=args.compression_threshold, less=Float16Compression(), greater_equal=BlockwiseQuantization()
+    )
 
 
 # ------------------------------------------------------------------------------------------ factory
 
 
-def build_optimizer(*, model: torch.nn.Module, dht: hivemind.DHT, run_id: str, signing_key: RSAPrivateKey,
-                    batch_size_per_step: Optional[int], collab: CollaborationArguments, optim: OptimizerArguments,
-                    client_mode: bool, reuse_grad_buffers: bool = False, auxiliary: bool = False,
-                    grad_averager_class: Type[LeanHiveGradientAverager] = LeanHiveGradientAverager,
-                    ) -> LeanHiveOptimizer:
+def build_optimizer(
+    *,
+    model: torch.nn.Module,
+    dht: hivemind.DHT,
+    run_id: str,
+    signing_key: RSAPrivateKey,
+    batch_size_per_step: Optional[int],
+    collab: CollaborationArguments,
+    optim: OptimizerArguments,
+    client_mode: bool,
+    reuse_grad_buffers: bool = False,
+    auxiliary: bool = False,
+    grad_averager_class: Type[LeanHiveGradientAverager] = LeanHiveGradientAverager,
+) -> LeanHiveOptimizer:
     """The collaborative optimizer: 8-bit LAMB offloaded to the CPU, averaged across the swarm.
 
     Auxiliary peers (aux_monitor) pass ``auxiliary=True`` and ``batch_size_per_step=None``: they build the

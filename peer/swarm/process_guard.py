@@ -8,6 +8,7 @@ a watchdog thread that, once its parent is gone (``getppid()`` changes), kills i
 (``p2pd``) and exits. A kernel parent-death signal alone would not do: it would kill the DHT child
 before it could take ``p2pd`` down with it.
 """
+
 from __future__ import annotations
 
 import logging

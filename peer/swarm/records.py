@@ -7,6 +7,7 @@ only the owner can write its entry (RSASignatureValidator), and the value must m
 
 hivemind 1.1.12's SchemaValidator needs pydantic.v1-style models with strict number types.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,19 @@ from hivemind.utils.crypto import RSAPrivateKey
 from peer.swarm.hivemind_seam import RecordSizeValidator
 from peer.swarm.keys import metrics_key, progress_key, state_sharing_key
 
-__all__ = ["LocalMetrics", "MetricsSchema", "PeerProgress", "fetch_metrics", "make_validators", "metrics_key",
-           "progress_key", "publish_metrics", "read_progress", "read_state_sharing", "state_sharing_key"]
+__all__ = [
+    "LocalMetrics",
+    "MetricsSchema",
+    "PeerProgress",
+    "fetch_metrics",
+    "make_validators",
+    "metrics_key",
+    "progress_key",
+    "publish_metrics",
+    "read_progress",
+    "read_state_sharing",
+    "state_sharing_key",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +69,9 @@ class MetricsSchema(pydantic.BaseModel):
     metrics: Dict[BytesWithPublicKey, LocalMetrics]
 
 
-def make_validators(run_id: str, private_key: RSAPrivateKey,
-                    extra: Sequence[RecordValidatorBase] = ()) -> tuple[list, bytes]:
+def make_validators(
+    run_id: str, private_key: RSAPrivateKey, extra: Sequence[RecordValidatorBase] = ()
+) -> tuple[list, bytes]:
     """Validators every peer of the run installs: record size limit, signature check, schema of the metrics key.
 
     Returns (validators, local_public_key); the public key is the subkey this peer signs records with.
@@ -68,11 +81,17 @@ def make_validators(run_id: str, private_key: RSAPrivateKey,
     return validators, signature_validator.local_public_key
 
 
-def publish_metrics(dht: hivemind.DHT, run_id: str, public_key: bytes, metrics: LocalMetrics,
-                    expiration: float = METRICS_EXPIRATION):
+def publish_metrics(
+    dht: hivemind.DHT, run_id: str, public_key: bytes, metrics: LocalMetrics, expiration: float = METRICS_EXPIRATION
+):
     """Store this peer's metrics without blocking the training loop; returns a future."""
-    return dht.store(key=metrics_key(run_id), subkey=public_key, value=metrics.dict(),
-                     expiration_time=get_dht_time() + expiration, return_future=True)
+    return dht.store(
+        key=metrics_key(run_id),
+        subkey=public_key,
+        value=metrics.dict(),
+        expiration_time=get_dht_time() + expiration,
+        return_future=True,
+    )
 
 
 def fetch_metrics(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = None) -> Dict[bytes, LocalMetrics]:
@@ -126,5 +145,8 @@ def read_progress(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = Non
 
 def read_state_sharing(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = None) -> Dict[bytes, float]:
     """peer ID bytes -> state-sharing priority of every peer that currently offers its state."""
-    return {peer_id: float(entry.value) for peer_id, entry in _latest(dht, state_sharing_key(run_id), timeout).items()
-            if isinstance(entry.value, (int, float))}
+    return {
+        peer_id: float(entry.value)
+        for peer_id, entry in _latest(dht, state_sharing_key(run_id), timeout).items()
+        if isinstance(entry.value, (int, float))
+    }

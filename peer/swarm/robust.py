@@ -22,6 +22,7 @@ trusted.
 
 The hivemind side (the reducer that keeps every part, the all-reduce runner) is in peer.swarm.hivemind_seam.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,9 @@ def bounded_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], clip_f
     """
     finite = [(part, weight) for part, weight in zip(parts, weights) if bool(torch.isfinite(part).all())]
     if len(finite) < len(parts):
-        logger.warning("Averaging: dropped %d of %d contributions with NaN/inf values", len(parts) - len(finite),
-                       len(parts))
+        logger.warning(
+            "Averaging: dropped %d of %d contributions with NaN/inf values", len(parts) - len(finite), len(parts)
+        )
     if not finite:
         return sum(p * w for p, w in zip(parts, weights)) / max(sum(weights), 1e-12)
     # zero-weight parts (a peer that just loaded the state tags along with weight 0) add nothing to the mean;
@@ -73,9 +75,14 @@ def bounded_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], clip_f
     clipped = int((norms > bound).sum())
     if clipped:
         severe = float(norms.max()) > 10 * bound
-        logger.log(logging.WARNING if severe else logging.INFO,
-                   "Averaging: bounded %d of %d contributions (deviation up to %.3g, bound %.3g)",
-                   clipped, len(kept), float(norms.max()), bound)
+        logger.log(
+            logging.WARNING if severe else logging.INFO,
+            "Averaging: bounded %d of %d contributions (deviation up to %.3g, bound %.3g)",
+            clipped,
+            len(kept),
+            float(norms.max()),
+            bound,
+        )
     if total <= 0:
         return center
     factors = (scale * weight / total).view(-1, *[1] * (stacked.ndim - 1))

@@ -1,4 +1,5 @@
 """Tensor helpers both peers use: finiteness, content digests, atomic and verified saves."""
+
 from __future__ import annotations
 
 import hashlib

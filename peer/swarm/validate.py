@@ -3,6 +3,7 @@
 Each raises ``ValueError`` with a message that names the setting and says what is valid; the typed-argument
 parser turns it into a command-line error (exit status 2).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,5 +35,7 @@ def integer_at_least(owner: object, minimum: int, *names: str, note: str = "") -
     """Each named field is an int >= ``minimum``; ``note`` is appended to the message (e.g. "(0 disables it)")."""
     for name in names:
         value = getattr(owner, name)
-        require(isinstance(value, int) and value >= minimum,
-                f"{name} must be an integer >= {minimum}{' ' + note if note else ''}, got {value!r}")
+        require(
+            isinstance(value, int) and value >= minimum,
+            f"{name} must be an integer >= {minimum}{' ' + note if note else ''}, got {value!r}",
+        )

@@ -14,6 +14,7 @@ reconnected, make everyone else download its state and lose their progress. ``wa
 pauses the caller while no peer is reachable, for at most ``isolation_grace`` seconds per episode,
 after which the peer trains on alone (the others may simply have left).
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,9 +46,17 @@ def peer_ids_of(maddrs: Sequence[str]) -> List[str]:
 class DHTWatchdog:
     """Re-contacts lost peers of a ``hivemind.DHT`` and tells whether this peer is cut off from all of them."""
 
-    def __init__(self, dht: hivemind.DHT, initial_peers: Sequence[str] = (), *, period: float = 5.0,
-                 forget_after: float = 600.0, isolation_grace: float = 60.0, max_pings: int = 8,
-                 table_capacity: int = 20):
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        initial_peers: Sequence[str] = (),
+        *,
+        period: float = 5.0,
+        forget_after: float = 600.0,
+        isolation_grace: float = 60.0,
+        max_pings: int = 8,
+        table_capacity: int = 20,
+    ):
         """
         :param initial_peers: multiaddrs the peer joined with; always worth re-contacting
         :param period: seconds between two checks of the routing table
@@ -100,14 +109,18 @@ class DHTWatchdog:
         remaining = since + self.isolation_grace - time.monotonic()
         if remaining <= 0:
             return False  # this episode's grace is used up: train on alone
-        logger.warning("Cut off from every peer: pausing training for up to %.0f s so that this peer does not "
-                       "run ahead of the swarm alone", remaining)
+        logger.warning(
+            "Cut off from every peer: pausing training for up to %.0f s so that this peer does not "
+            "run ahead of the swarm alone",
+            remaining,
+        )
         deadline = time.monotonic() + remaining
         while not stop.is_set() and not self._stop.is_set() and self.isolated and time.monotonic() < deadline:
             self._connected.wait(timeout=min(1.0, max(deadline - time.monotonic(), 0.0)))
         if self.isolated and not stop.is_set():
-            logger.warning("Still cut off after %.0f s: training on alone (the other peers may have left)",
-                           self.isolation_grace)
+            logger.warning(
+                "Still cut off after %.0f s: training on alone (the other peers may have left)", self.isolation_grace
+            )
         return not self.isolated and not stop.is_set()
 
     # ----------------------------------------------------------------------------------------- loop
@@ -144,7 +157,7 @@ class DHTWatchdog:
     def _missing(self, table: set) -> List[str]:
         recent = sorted(self.last_seen, key=self.last_seen.get, reverse=True)
         candidates = [p for p in [*recent, *self.initial_peer_ids] if p not in table]
-        return list(dict.fromkeys(candidates))[:self.max_pings]
+        return list(dict.fromkeys(candidates))[: self.max_pings]
 
     def _update_isolation(self, connected: bool, answered: List[str]) -> None:
         knows_someone = bool(self.last_seen) or bool(self.initial_peer_ids)
@@ -159,13 +172,15 @@ class DHTWatchdog:
         elif knows_someone and self._isolated_since is None:
             self._isolated_since = time.monotonic()
             self._connected.clear()
-            logger.warning("No peer of the swarm is reachable; re-contacting %d known peers every %.0f s",
-                           len(set(self.last_seen) | set(self.initial_peer_ids)), self.period)
+            logger.warning(
+                "No peer of the swarm is reachable; re-contacting %d known peers every %.0f s",
+                len(set(self.last_seen) | set(self.initial_peer_ids)),
+                self.period,
+            )
 
 
 def start_watchdog(dht: hivemind.DHT, args) -> Optional[DHTWatchdog]:
     """The watchdog for a peer started with ``peer.swarm.network.NetworkArguments`` (None if rejoin_period is 0)."""
     if not args.rejoin_period:
         return None
-    return DHTWatchdog(dht, args.initial_peers, period=args.rejoin_period,
-                       isolation_grace=args.isolation_grace).start()
+    return DHTWatchdog(dht, args.initial_peers, period=args.rejoin_period, isolation_grace=args.isolation_grace).start()

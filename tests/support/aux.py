@@ -2,6 +2,7 @@
 
 Peer processes are started with the shared ``tests.support.processes`` / ``tests.support.trainers``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,9 +26,18 @@ from tests.support.trainers import events_path, tiny_model_config
 
 ARTIFACTS = REPO_ROOT / "outputs" / "test_artifacts"  # screenshots for humans; /outputs/ is git-ignored
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage", "--hide-scrollbars"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+]
 
 
 def free_port() -> int:
@@ -72,11 +82,36 @@ RUN_ID = "auxtest"
 def start_aux(name: str, folder: Path, port: int, *extra) -> PeerProcess:
     """An aux peer on the trainers' run preset (so collaboration/optimizer settings match theirs); its events go to
     folder/name.events.jsonl (``peer.events``)."""
-    args = ["--config", "tiny", "--model_config", tiny_model_config(folder), "--run_id", RUN_ID,
-            "--refresh_period", "1", "--alive_window", "15", "--metrics_host", "127.0.0.1", "--metrics_port", port,
-            "--checkpoint_dir", folder / "ckpt", "--checkpoint_every", 2, "--keep_checkpoints", 3, *extra]
-    return PeerProcess(args, name=name, log_path=folder / f"{name}.log", script="run_aux_peer.py",
-                       events_path=events_path(folder, name)).start()
+    args = [
+        "--config",
+        "tiny",
+        "--model_config",
+        tiny_model_config(folder),
+        "--run_id",
+        RUN_ID,
+        "--refresh_period",
+        "1",
+        "--alive_window",
+        "15",
+        "--metrics_host",
+        "127.0.0.1",
+        "--metrics_port",
+        port,
+        "--checkpoint_dir",
+        folder / "ckpt",
+        "--checkpoint_every",
+        2,
+        "--keep_checkpoints",
+        3,
+        *extra,
+    ]
+    return PeerProcess(
+        args,
+        name=name,
+        log_path=folder / f"{name}.log",
+        script="run_aux_peer.py",
+        events_path=events_path(folder, name),
+    ).start()
 
 
 @contextlib.contextmanager
@@ -200,9 +235,16 @@ class PrometheusServer:
         self.log = workdir / "prometheus.log"
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
-                [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h"],
-                stdout=log, stderr=subprocess.STDOUT)
+                [
+                    binary,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--storage.tsdb.retention.time=1h",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         def ready():
@@ -212,6 +254,7 @@ class PrometheusServer:
                 return http_get(self.url + "/-/ready", timeout=2)[0] == 200
             except OSError:
                 return False
+
         wait_for(ready, timeout, what="prometheus to be ready")
 
     def query_range(self, expr: str, seconds: float) -> List[Tuple[float, float]]:
@@ -237,4 +280,3 @@ class PrometheusServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
-

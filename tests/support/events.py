@@ -10,6 +10,7 @@ read. Multi-peer tests wait on these events instead of matching the peers' free-
 Events (see the table in the refactor plan / ``peer.swarm.events``): dht_started, joined, serving, state_loaded,
 epoch_done, backup_written, checkpoint_saved, offering_checkpoint, reconnected, max_epochs_reached, exiting.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,9 @@ class EventLog:
         found = self.all(name, where)
         return found[-1] if found else None
 
-    def wait(self, name: str, timeout: float, *, where: Optional[Callable[[Event], bool]] = None,
-             count: int = 1) -> Event:
+    def wait(
+        self, name: str, timeout: float, *, where: Optional[Callable[[Event], bool]] = None, count: int = 1
+    ) -> Event:
         """Wait until ``count`` events ``name`` (counting only those that pass ``where``) were written; return the
         ``count``-th. Raises ``PeerExited`` if the peer exits first and ``TimeoutError`` after ``timeout`` s."""
         from tests.support.processes import PeerExited
@@ -69,11 +71,14 @@ class EventLog:
             if len(found) >= count:
                 return found[count - 1]
             if exited:
-                raise PeerExited(f"{self._who()} exited with {self.process.poll()} before the event {name!r} "
-                                 f"(x{count}):\n{self._context()}")
+                raise PeerExited(
+                    f"{self._who()} exited with {self.process.poll()} before the event {name!r} "
+                    f"(x{count}):\n{self._context()}"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self._who()} wrote no event {name!r} (x{count}) within {timeout:.0f} s:\n"
-                                   f"{self._context()}")
+                raise TimeoutError(
+                    f"{self._who()} wrote no event {name!r} (x{count}) within {timeout:.0f} s:\n{self._context()}"
+                )
             time.sleep(0.2)
 
     def _who(self) -> str:

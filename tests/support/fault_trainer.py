@@ -9,6 +9,7 @@ environment it is given holds a fault variable), from the repository root::
 
 Production code has no fault hooks; this file only overrides the trainer's extension points.
 """
+
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """Shared helpers for the model tests (no tests in here): small float64 models, plain references,
 loss/gradient comparison and a saved-tensor recorder."""
+
 from __future__ import annotations
 
 import copy
@@ -14,8 +15,15 @@ VOCAB = 64
 
 def small_config(**overrides) -> LeanTransformerConfig:
     """hidden 32, 4 heads, 2 layers: big enough for every option, small enough for float64 on 2 cores."""
-    fields = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                  max_position_embeddings=64, loss_chunk_size=7)
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        loss_chunk_size=7,
+    )
     fields.update(overrides)
     return LeanTransformerConfig(**fields)
 
@@ -48,8 +56,9 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
 
 
-def assert_same_loss_and_grads(model: torch.nn.Module, reference: torch.nn.Module, tolerance: float = 1e-6,
-                               **batch) -> None:
+def assert_same_loss_and_grads(
+    model: torch.nn.Module, reference: torch.nn.Module, tolerance: float = 1e-6, **batch
+) -> None:
     loss, grads = loss_and_grads(model, **batch)
     ref_loss, ref_grads = loss_and_grads(reference, **batch)
     assert relative_error(loss, ref_loss) <= tolerance, (loss, ref_loss)

@@ -6,6 +6,7 @@ writes its output to a log file, and offers what multi-peer tests need: the peer
 wait for a log line (ad-hoc scripts, hivemind's own messages), read the log, list the process tree, stop it
 with a signal or kill it, and check that nothing of it is left.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 INITIAL_PEERS_RE = re.compile(r"--initial_peers (\S+(?: /\S+)*)")
 
 # A model small enough for a 2-core machine, with the shipped tokenizer's vocabulary.
-TINY_MODEL = {"vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "intermediate_size": 256, "max_position_embeddings": 512}
+TINY_MODEL = {
+    "vocab_size": 4096,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 256,
+    "max_position_embeddings": 512,
+}
 
 
 def _die_with_parent() -> None:
@@ -51,9 +58,18 @@ class PeerProcess:
     is emptied on ``start()``, as the log is); without it ``self.events`` is None.
     """
 
-    def __init__(self, args: Sequence[str], *, name: str, log_path: Path, script: str = "run_trainer.py",
-                 module: Optional[str] = None, env: Optional[Dict[str, str]] = None, cwd: Path = REPO_ROOT,
-                 events_path: Optional[Path] = None):
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        name: str,
+        log_path: Path,
+        script: str = "run_trainer.py",
+        module: Optional[str] = None,
+        env: Optional[Dict[str, str]] = None,
+        cwd: Path = REPO_ROOT,
+        events_path: Optional[Path] = None,
+    ):
         self.name, self.log_path = name, Path(log_path)
         self.events: Optional[EventLog] = None
         if events_path is not None:
@@ -63,8 +79,15 @@ class PeerProcess:
         self.command = [sys.executable, *entry, *map(str, args)]
         # this checkout's packages come first, whatever folder the script is in
         python_path = os.pathsep.join(filter(None, [str(cwd), os.environ.get("PYTHONPATH")]))
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": python_path, **(env or {})}
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": python_path,
+            **(env or {}),
+        }
         self.cwd = cwd
         self.process: Optional[subprocess.Popen] = None
         self._known_tree: Dict[int, float] = {}  # pid -> create_time, for processes seen in the tree
@@ -74,8 +97,9 @@ class PeerProcess:
         if self.events is not None:
             self.events.clear()
         log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                        cwd=self.cwd, preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd, preexec_fn=_die_with_parent
+        )
         log.close()
         return self
 
@@ -92,8 +116,9 @@ class PeerProcess:
     def poll(self) -> Optional[int]:
         return self.process.poll()
 
-    def wait_for(self, pattern: str, timeout: float, *, count: int = 1,
-                 where: Optional[Callable[[re.Match], bool]] = None) -> re.Match:
+    def wait_for(
+        self, pattern: str, timeout: float, *, count: int = 1, where: Optional[Callable[[re.Match], bool]] = None
+    ) -> re.Match:
         """Wait until the log matches ``pattern`` (``count`` times, counting only matches that pass ``where``);
         return the last match."""
         regex = re.compile(pattern)

@@ -4,6 +4,7 @@ A trainer whose environment holds a fault variable (``LEANHIVE_FAULT_*``, ``LEAN
 ``tests.support.faults.injection``) is started through the test entry point ``tests/support/fault_trainer.py``,
 every other one through ``run_trainer.py``, as users start it.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,17 +44,40 @@ def events_path(folder: Path, name: str) -> Path:
     return Path(folder) / f"{name}.events.jsonl"
 
 
-def start_trainer(folder: Path, name: str, run_id: str, *, initial_peers: Sequence[str] = (),
-                  extra: Sequence[str] = (), env: Optional[Dict[str, str]] = None) -> PeerProcess:
+def start_trainer(
+    folder: Path,
+    name: str,
+    run_id: str,
+    *,
+    initial_peers: Sequence[str] = (),
+    extra: Sequence[str] = (),
+    env: Optional[Dict[str, str]] = None,
+) -> PeerProcess:
     """A trainer with the tiny run preset; its output_dir, identity and log live in folder/name, its events in
     folder/name.events.jsonl (``peer.events``)."""
     folder = Path(folder)
-    args = ["--config", "tiny", "--model_config", tiny_model_config(folder), "--run_id", run_id,
-            "--output_dir", folder / name, "--identity_path", folder / name / "identity.key"]
+    args = [
+        "--config",
+        "tiny",
+        "--model_config",
+        tiny_model_config(folder),
+        "--run_id",
+        run_id,
+        "--output_dir",
+        folder / name,
+        "--identity_path",
+        folder / name / "identity.key",
+    ]
     if initial_peers:
         args += ["--initial_peers", *initial_peers]
-    return PeerProcess([*args, *extra], name=name, log_path=folder / f"{name}.log", env=env,
-                       events_path=events_path(folder, name), **trainer_entry_point(env)).start()
+    return PeerProcess(
+        [*args, *extra],
+        name=name,
+        log_path=folder / f"{name}.log",
+        env=env,
+        events_path=events_path(folder, name),
+        **trainer_entry_point(env),
+    ).start()
 
 
 def wait_for_epoch(peer: PeerProcess, epoch: int, timeout: float) -> int:

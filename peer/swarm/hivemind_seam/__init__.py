@@ -47,11 +47,17 @@ Gradient averager (``LeanHiveGradientAverager(GradientAverager)``)
 
 Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
 - ``_make_state_averager`` (private factory): builds ``LeanHiveStateAverager`` with our policy.
+- ``_make_progress_tracker`` (private factory): builds ``LeanHiveProgressTracker``.
+
+Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
+- ``run``: hivemind's thread body, then the cancellation of the helper tasks hivemind leaves pending at shutdown
+  (Python printed "Task was destroyed but it is pending!" at exit).
 - ``load_state_dict``: tells the state averager that its parameters were replaced.
 - ``sync_offloaded_parameters``: after parameters change in place, copy them into hivemind's offloaded copies;
   calls the private ``_load_local_tensors_into_averager_`` and ``_update_scheduler``, as hivemind does after a
   download.
 """
+
 from __future__ import annotations
 
 import hivemind
@@ -59,6 +65,7 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.auth import TokenAuthorizerBase
 
@@ -80,12 +87,28 @@ from peer.swarm.hivemind_seam.dht import (
     private_key_from_der,
     routing_table_peers,
 )
+from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker
 
-__all__ = ["MAX_RECORD_BYTES", "OVERRIDDEN_METHODS", "PINNED_HIVEMIND_VERSION", "PRIVATE_ATTRIBUTES",
-           "AllowlistAuthorizer", "AveragingPolicy", "BoundedAllReduceRunner", "BoundedPartReducer",
-           "LeanHiveGradientAverager", "LeanHiveOptimizer", "LeanHiveStateAverager", "RecordSizeValidator",
-           "authorized_peer_ids", "ping_peers", "private_key_from_der", "routing_table_peers",
-           "sync_offloaded_parameters"]
+__all__ = [
+    "MAX_RECORD_BYTES",
+    "OVERRIDDEN_METHODS",
+    "PINNED_HIVEMIND_VERSION",
+    "PRIVATE_ATTRIBUTES",
+    "AllowlistAuthorizer",
+    "AveragingPolicy",
+    "BoundedAllReduceRunner",
+    "BoundedPartReducer",
+    "LeanHiveGradientAverager",
+    "LeanHiveOptimizer",
+    "LeanHiveProgressTracker",
+    "LeanHiveStateAverager",
+    "RecordSizeValidator",
+    "authorized_peer_ids",
+    "ping_peers",
+    "private_key_from_der",
+    "routing_table_peers",
+    "sync_offloaded_parameters",
+]
 
 PINNED_HIVEMIND_VERSION = "1.1.12"
 
@@ -98,20 +121,31 @@ OVERRIDDEN_METHODS = [
     (TokenAuthorizerBase, "get_token", "(self) -> auth_pb2.AccessToken"),
     (TokenAuthorizerBase, "is_token_valid", "(self, access_token: auth_pb2.AccessToken) -> bool"),
     (TokenAuthorizerBase, "does_token_need_refreshing", "(self, access_token: auth_pb2.AccessToken) -> bool"),
-    (_DA, "add_p2p_handlers", "(self, p2p: hivemind.p2p.p2p_daemon.P2P, wrapper: Any = None, *, "
-                              "namespace: Optional[str] = None, balanced: bool = False) -> None"),
-    (_DA, "_run_allreduce_inplace_", "(self, tensors: 'Sequence[torch.Tensor]', group_info: 'GroupInfo', "
-                                     "group_id: 'Optional[bytes]' = None, **kwargs)"),
+    (
+        _DA,
+        "add_p2p_handlers",
+        "(self, p2p: hivemind.p2p.p2p_daemon.P2P, wrapper: Any = None, *, "
+        "namespace: Optional[str] = None, balanced: bool = False) -> None",
+    ),
+    (
+        _DA,
+        "_run_allreduce_inplace_",
+        "(self, tensors: 'Sequence[torch.Tensor]', group_info: 'GroupInfo', "
+        "group_id: 'Optional[bytes]' = None, **kwargs)",
+    ),
     (_DA, "_load_state_from_peers", "(self, future: 'MPFuture', timeout: 'Optional[float]' = None)"),
     (_DA, "__del__", "(self)"),
     (TrainingStateAverager, "get_current_state", "(self)"),
-    (TrainingStateAverager, "step",
-     "(self, wait_for_delayed_updates: bool = None, apply_delayed_updates: bool = True, increment_epoch: bool = "
-     "False, optimizer_step: bool = False, zero_grad: bool = False, delay_optimizer_step: bool = False, "
-     "averaging_round: bool = False, delay_averaging: Optional[bool] = None, averaging_control: "
-     "Optional[hivemind.averaging.control.StepControl] = None, wait_for_trigger: Optional[Callable[[], Any]] = "
-     "None, grad_scaler: Optional[hivemind.optim.grad_scaler.GradScaler] = None, set_to_none: bool = True, "
-     "averaging_opts: Optional[Dict[str, Any]] = None)"),
+    (
+        TrainingStateAverager,
+        "step",
+        "(self, wait_for_delayed_updates: bool = None, apply_delayed_updates: bool = True, increment_epoch: bool = "
+        "False, optimizer_step: bool = False, zero_grad: bool = False, delay_optimizer_step: bool = False, "
+        "averaging_round: bool = False, delay_averaging: Optional[bool] = None, averaging_control: "
+        "Optional[hivemind.averaging.control.StepControl] = None, wait_for_trigger: Optional[Callable[[], Any]] = "
+        "None, grad_scaler: Optional[hivemind.optim.grad_scaler.GradScaler] = None, set_to_none: bool = True, "
+        "averaging_opts: Optional[Dict[str, Any]] = None)",
+    ),
     (TrainingStateAverager, "load_state_from_peers", "(self, **kwargs)"),
     (TrainingStateAverager, "_update_scheduler", "(self)"),
     (TrainingStateAverager, "_load_local_tensors_into_averager_", "(self)"),
@@ -120,13 +154,18 @@ OVERRIDDEN_METHODS = [
     # overridden by the tests' fault entry point (tests/support/fault_trainer.py), not by LeanHive itself
     (GradientAverager, "load_accumulators_into_averager_", "(self)"),
     (TensorPartReducer, "reset_accumulators", "(self)"),
-    (AllReduceRunner, "__init__",
-     "(self, *, p2p: hivemind.p2p.p2p_daemon.P2P, servicer_type: Type[hivemind.p2p.servicer.ServicerBase], "
-     "prefix: Optional[str], group_id: bytes, tensors: Sequence[torch.Tensor], weight: Optional[float] = None, "
-     "ordered_peer_ids: Sequence[hivemind.p2p.p2p_daemon_bindings.datastructures.PeerID], peer_fractions: "
-     "Tuple[float, ...], modes: Optional[Sequence[hivemind.averaging.allreduce.AveragingMode]] = None, "
-     "sender_timeout: Optional[float] = None, reducer_timeout: Optional[float] = None, **kwargs)"),
+    (
+        AllReduceRunner,
+        "__init__",
+        "(self, *, p2p: hivemind.p2p.p2p_daemon.P2P, servicer_type: Type[hivemind.p2p.servicer.ServicerBase], "
+        "prefix: Optional[str], group_id: bytes, tensors: Sequence[torch.Tensor], weight: Optional[float] = None, "
+        "ordered_peer_ids: Sequence[hivemind.p2p.p2p_daemon_bindings.datastructures.PeerID], peer_fractions: "
+        "Tuple[float, ...], modes: Optional[Sequence[hivemind.averaging.allreduce.AveragingMode]] = None, "
+        "sender_timeout: Optional[float] = None, reducer_timeout: Optional[float] = None, **kwargs)",
+    ),
     (hivemind.Optimizer, "_make_state_averager", "(self, **kwargs) -> 'TrainingStateAverager'"),
+    (hivemind.Optimizer, "_make_progress_tracker", "(self, target_batch_size: 'int', **kwargs) -> 'ProgressTracker'"),
+    (ProgressTracker, "run", "(self)"),
     (hivemind.Optimizer, "load_state_dict", "(self, state_dict: 'dict')"),
     (hivemind.Optimizer, "__del__", "(self)"),
 ]

@@ -1,5 +1,6 @@
 """hivemind's averaging side: the policy-applying averagers, the bounded all-reduce, the optimizer.
 See the package docstring for why each exists."""
+
 from __future__ import annotations
 
 import logging
@@ -11,10 +12,12 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
+from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker
 from peer.swarm.keys import state_averager_prefix
 from peer.swarm.robust import DEFAULT_CLIP_FACTOR, bounded_mean, keep_local_where_not_finite
 from peer.swarm.tensors import all_finite
@@ -96,17 +99,20 @@ class _AllowlistServicer:
             return True
 
         if self._streaming.get(name, False):
+
             async def checked_stream(request, context):
                 if refuse(context):
                     raise PermissionError(f"{context.remote_id} is not authorized to call {name}")
                 async for item in method(request, context):
                     yield item
+
             return checked_stream
 
         async def checked(request, context):
             if refuse(context):
                 raise PermissionError(f"{context.remote_id} is not authorized to call {name}")
             return await method(request, context)
+
         return checked
 
 
@@ -130,13 +136,21 @@ class _PolicyAveraging:
             wrapper = _AllowlistServicer(self, allowed)
         return await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
 
-    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info,
-                                      group_id: Optional[bytes] = None, **kwargs):
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info, group_id: Optional[bytes] = None, **kwargs
+    ):
         """hivemind's DecentralizedAverager._run_allreduce_inplace_ with the bounded runner and a finiteness check."""
         group_id = group_info.group_id if group_id is None else group_id
         runner = BoundedAllReduceRunner(
-            clip_factor=self.policy.contribution_clip, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
-            tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+            clip_factor=self.policy.contribution_clip,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
 
@@ -270,13 +284,34 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         except AttributeError:
             pass
 
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
+        return LeanHiveProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
+
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         return LeanHiveStateAverager(
-            dht=self.dht, prefix=state_averager_prefix(self.run_id), min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
-            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
-            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, policy=self.policy, **kwargs)
+            dht=self.dht,
+            prefix=state_averager_prefix(self.run_id),
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            policy=self.policy,
+            **kwargs,
+        )
 
     def load_state_dict(self, state_dict: dict):
         super().load_state_dict(state_dict)

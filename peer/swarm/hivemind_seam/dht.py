@@ -1,5 +1,6 @@
 """hivemind's DHT side: a record validator, the allowlist authorizer, a key read from disk, routing-table access.
 See the package docstring for why each exists."""
+
 from __future__ import annotations
 
 import asyncio
@@ -69,8 +70,9 @@ class AllowlistAuthorizer(TokenAuthorizerBase):
         self.allowlist = allowlist
 
     async def get_token(self) -> AccessToken:
-        return AccessToken(username="", public_key=self.local_public_key.to_bytes(), expiration_time="never",
-                           signature=b"")
+        return AccessToken(
+            username="", public_key=self.local_public_key.to_bytes(), expiration_time="never", signature=b""
+        )
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
         return access_token.public_key in self.allowlist.public_keys

@@ -1,6 +1,7 @@
 """Call a trainer's averaging RPCs directly, as a peer that found its address would: ask for its state, ask to
 join its averaging group. Runs in the calling DHT's process (``dht.run_coroutine``) on that DHT's libp2p
 connection, so the trainer sees the caller's authenticated peer ID."""
+
 from __future__ import annotations
 
 import functools
@@ -33,13 +34,18 @@ async def _probe(_dht, node, peer: str, run_id: str, timeout: float) -> Dict[str
 
     # handler names as the trainer registers them: "<namespace>::<averager class>.<rpc>"
     download = f"{run_id}_state_averager::{LeanHiveStateAverager.__name__}.rpc_download_state"
-    answers["rpc_download_state"] = await first_message(node.p2p.iterate_protobuf_handler(
-        peer_id, download, averaging_pb2.DownloadRequest(), averaging_pb2.DownloadData))
-    join = averaging_pb2.JoinRequest(schema_hash=b"probe", expiration=get_dht_time() + 5, gather=b"",
-                                     group_key=f"{run_id}_grad_averager.0b")
+    answers["rpc_download_state"] = await first_message(
+        node.p2p.iterate_protobuf_handler(
+            peer_id, download, averaging_pb2.DownloadRequest(), averaging_pb2.DownloadData
+        )
+    )
+    join = averaging_pb2.JoinRequest(
+        schema_hash=b"probe", expiration=get_dht_time() + 5, gather=b"", group_key=f"{run_id}_grad_averager.0b"
+    )
     join_name = f"{run_id}_grad_averager::{LeanHiveGradientAverager.__name__}.rpc_join_group"
-    answers["rpc_join_group"] = await first_message(node.p2p.iterate_protobuf_handler(
-        peer_id, join_name, join, averaging_pb2.MessageFromLeader))
+    answers["rpc_join_group"] = await first_message(
+        node.p2p.iterate_protobuf_handler(peer_id, join_name, join, averaging_pb2.MessageFromLeader)
+    )
     return answers
 
 

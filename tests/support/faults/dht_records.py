@@ -3,6 +3,7 @@
 ``hivemind.DHT.store`` serializes and signs values itself, so it cannot produce a forged signature or a
 record for someone else's key; ``raw_store`` calls the store RPC with exactly the bytes given.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,8 +52,7 @@ def signed(record: CraftedRecord, key: RSAPrivateKey) -> CraftedRecord:
     validator = RSASignatureValidator(key)
     dht_record = DHTRecord(record.key_bytes, record.subkey_bytes, record.value, record.expiration)
     signature = key.sign(validator._serialize_record(dht_record))
-    return CraftedRecord(record.key, record.subkey, record.value + b"[signature:" + signature + b"]",
-                         record.expiration)
+    return CraftedRecord(record.key, record.subkey, record.value + b"[signature:" + signature + b"]", record.expiration)
 
 
 def owner_marker(key: RSAPrivateKey) -> bytes:
@@ -60,20 +60,30 @@ def owner_marker(key: RSAPrivateKey) -> bytes:
     return RSASignatureValidator(key).local_public_key
 
 
-async def _store(_dht, node, peer: str, key: str, subkey, value: bytes, repeat: int, expiration: float
-                 ) -> Optional[bool]:
+async def _store(
+    _dht, node, peer: str, key: str, subkey, value: bytes, repeat: int, expiration: float
+) -> Optional[bool]:
     from hivemind.p2p import PeerID
 
-    result = await node.protocol.call_store(PeerID.from_base58(peer), [DHTID.generate(source=key)], [value * repeat],
-                                            [expiration], subkeys=[subkey])
+    result = await node.protocol.call_store(
+        PeerID.from_base58(peer), [DHTID.generate(source=key)], [value * repeat], [expiration], subkeys=[subkey]
+    )
     return None if result is None else bool(result[0])
 
 
-def raw_store(sender: hivemind.DHT, receiver: Union[hivemind.DHT, str], record: CraftedRecord,
-              timeout: float = 20.0) -> Optional[bool]:
+def raw_store(
+    sender: hivemind.DHT, receiver: Union[hivemind.DHT, str], record: CraftedRecord, timeout: float = 20.0
+) -> Optional[bool]:
     """Ask ``receiver`` (a DHT or a peer ID) through ``sender``'s node to store ``record``; True/False as it
     answers, None if it did not answer at all (e.g. to an unauthorized sender)."""
     peer = receiver if isinstance(receiver, str) else receiver.peer_id.to_base58()
-    call = functools.partial(_store, peer=peer, key=record.key, subkey=record.subkey,
-                             value=record.value, repeat=record.repeat, expiration=record.expiration)
+    call = functools.partial(
+        _store,
+        peer=peer,
+        key=record.key,
+        subkey=record.subkey,
+        value=record.value,
+        repeat=record.repeat,
+        expiration=record.expiration,
+    )
     return sender.run_coroutine(call, return_future=True).result(timeout)

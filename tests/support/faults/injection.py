@@ -20,6 +20,7 @@ What a broken or hostile peer puts on the wire (its own local checks never see i
 - ``LEANHIVE_TEST_PARAMS_DIR=/path``: after each global epoch, write the parameters to
   ``/path/epoch_000012.pt`` (tests compare peers epoch by epoch).
 """
+
 from __future__ import annotations
 
 import logging
@@ -87,11 +88,10 @@ def corrupt_sent_gradients(averager) -> None:
             flat = grad.view(-1)
             if nonfinite:
                 flat[: flat.numel() // 2] = float("nan")
-                flat[flat.numel() // 2:] = float("inf")
+                flat[flat.numel() // 2 :] = float("inf")
             else:
                 flat.mul_(scale)
-    logger.warning("FAULT INJECTION: sending %s gradients for averaging",
-                   "NaN/inf" if nonfinite else f"{scale:g}x")
+    logger.warning("FAULT INJECTION: sending %s gradients for averaging", "NaN/inf" if nonfinite else f"{scale:g}x")
 
 
 _allreduce_rounds = 0  # gradient all-reduce rounds this averager process took part in

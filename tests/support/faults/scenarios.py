@@ -6,6 +6,7 @@ epochs of progress the swarm had to redo because of the fault), time to recover 
 to the swarm training normally again), data lost (a checkpoint, backup or the swarm's state gone or
 replaced by a broken one: must be False).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,15 +62,22 @@ def _all_checks(details: Dict[str, Any]) -> bool:
     return all(details.get("checks", {}).values())
 
 
-def _start_trainers(swarm: NetemSwarm, names: Sequence[str], hosts: Sequence[int], initial_peers: Sequence[str],
-                    extra: Sequence[str] = (), env_by_name: Optional[Dict[str, Dict[str, str]]] = None
-                    ) -> List[SwarmPeer]:
+def _start_trainers(
+    swarm: NetemSwarm,
+    names: Sequence[str],
+    hosts: Sequence[int],
+    initial_peers: Sequence[str],
+    extra: Sequence[str] = (),
+    env_by_name: Optional[Dict[str, Dict[str, str]]] = None,
+) -> List[SwarmPeer]:
     """Start trainers at once (they load in parallel), then wait until every one has joined."""
     env_by_name = env_by_name or {}
     # all wait for each other: a trainer that trained alone for a while would pull the others to its state
     extra = ["--min_peers", str(len(names)), *extra]
-    trainers = [swarm.start_trainer(host, name, initial_peers=initial_peers, extra=extra,
-                                    env=env_by_name.get(name)) for name, host in zip(names, hosts)]
+    trainers = [
+        swarm.start_trainer(host, name, initial_peers=initial_peers, extra=extra, env=env_by_name.get(name))
+        for name, host in zip(names, hosts)
+    ]
     for trainer in trainers:
         trainer.initial_peers(STARTUP)
     return trainers
@@ -87,8 +95,11 @@ def _final_epoch(trainer: SwarmPeer) -> int:
 
 def _wait_epoch(trainer: SwarmPeer, epoch: int, timeout: float) -> None:
     """Wait until the trainer is at ``epoch`` or later (hivemind may skip epoch numbers when a peer catches up)."""
-    wait_for(lambda: trainer.last_epoch() >= epoch or trainer.poll() is not None, timeout=timeout,
-             what=f"{trainer.name} to reach epoch {epoch}")
+    wait_for(
+        lambda: trainer.last_epoch() >= epoch or trainer.poll() is not None,
+        timeout=timeout,
+        what=f"{trainer.name} to reach epoch {epoch}",
+    )
     if trainer.last_epoch() < epoch:
         raise RuntimeError(f"{trainer.name} exited at epoch {trainer.last_epoch()}:\n{trainer.tail()}")
 
@@ -108,8 +119,7 @@ def _fitted_loss_drop(trainer: SwarmPeer) -> float:
     epochs = sorted(finite)
     mean_e = sum(epochs) / len(epochs)
     mean_v = sum(finite.values()) / len(epochs)
-    slope = (sum((e - mean_e) * (finite[e] - mean_v) for e in epochs)
-             / sum((e - mean_e) ** 2 for e in epochs))
+    slope = sum((e - mean_e) * (finite[e] - mean_v) for e in epochs) / sum((e - mean_e) ** 2 for e in epochs)
     return -slope * (epochs[-1] - epochs[0])
 
 
@@ -117,9 +127,11 @@ def _mean_loss(trainers: Sequence[SwarmPeer], first: bool, epochs: int = 2) -> f
     """Mean loss per micro-step over the first (or last) ``epochs`` epochs the trainers reported."""
     total = steps = 0.0
     for trainer in trainers:
-        done = [(int(e["epoch"]), math.nan if e["loss"] is None else float(e["loss"]), int(e["mini_steps"]))
-                for e in epoch_done_events(trainer)]
-        for _, loss, micro_steps in (done[:epochs] if first else done[-epochs:]):
+        done = [
+            (int(e["epoch"]), math.nan if e["loss"] is None else float(e["loss"]), int(e["mini_steps"]))
+            for e in epoch_done_events(trainer)
+        ]
+        for _, loss, micro_steps in done[:epochs] if first else done[-epochs:]:
             total, steps = total + loss * micro_steps, steps + micro_steps
     return total / steps if steps else math.nan
 
@@ -140,8 +152,12 @@ def baseline_over_internet(folder: Path, *, epochs: int = 6) -> ScenarioResult:
     details: Dict[str, Any] = {"link": INTERNET.describe()}
     settings = SwarmSettings(run_id="baseline")
     with NetemSwarm(folder, 4, settings, INTERNET) as swarm:
-        aux = swarm.start_aux(AUX_HOST, "aux", checkpoint_dir=folder / "checkpoints",
-                              extra=["--checkpoint_every", "2", "--keep_checkpoints", "5"])
+        aux = swarm.start_aux(
+            AUX_HOST,
+            "aux",
+            checkpoint_dir=folder / "checkpoints",
+            extra=["--checkpoint_every", "2", "--keep_checkpoints", "5"],
+        )
         join = aux.initial_peers(STARTUP)
         trainers = _start_trainers(swarm, ["t1", "t2", "t3"], [1, 2, 3], join, extra=["--max_epochs", str(epochs)])
         try:
@@ -165,9 +181,15 @@ def baseline_over_internet(folder: Path, *, epochs: int = 6) -> ScenarioResult:
         saved = swarm_checkpoints(folder / "checkpoints")
         details["checkpoints"] = saved
         _check(details, "the aux peer wrote checkpoints", len(saved) >= 1)
-    return ScenarioResult("a. 3 trainers + aux, 20 Mbit/s, 100 ms RTT", survived=_all_checks(details),
-                          epochs_lost=0, recover_seconds=None, data_lost=False, details=details,
-                          seconds=time.monotonic() - started)
+    return ScenarioResult(
+        "a. 3 trainers + aux, 20 Mbit/s, 100 ms RTT",
+        survived=_all_checks(details),
+        epochs_lost=0,
+        recover_seconds=None,
+        data_lost=False,
+        details=details,
+        seconds=time.monotonic() - started,
+    )
 
 
 def swarm_checkpoints(directory: Path) -> List[str]:
@@ -232,8 +254,9 @@ def kill_during_allreduce(folder: Path, *, epochs_before: int = 2, epochs_after:
     with NetemSwarm(folder, 4, settings, INTERNET) as swarm:
         aux = swarm.start_aux(AUX_HOST, "aux", checkpoint_dir=folder / "checkpoints")
         join = aux.initial_peers(STARTUP)
-        trainers = _start_trainers(swarm, names, [1, 2, 3], join,
-                                   env_by_name={name: {DIE_IN_ALLREDUCE_ENV: str(trigger)} for name in names})
+        trainers = _start_trainers(
+            swarm, names, [1, 2, 3], join, env_by_name={name: {DIE_IN_ALLREDUCE_ENV: str(trigger)} for name in names}
+        )
         try:
             for trainer in trainers:
                 trainer.events.wait("epoch_done", timeout=180, count=epochs_before)
@@ -261,8 +284,14 @@ def kill_during_allreduce(folder: Path, *, epochs_before: int = 2, epochs_after:
             details["error"] = str(e)[-400:]
         codes = _stop_all(survivors)
         _check(details, "survivors stopped cleanly", codes == [0, 0])
-        _check(details, "all three trained together before the kill", killed_at is not None and all(
-            sum(t < killed_at for t in trainer.epochs_done().values()) >= epochs_before for trainer in trainers))
+        _check(
+            details,
+            "all three trained together before the kill",
+            killed_at is not None
+            and all(
+                sum(t < killed_at for t in trainer.epochs_done().values()) >= epochs_before for trainer in trainers
+            ),
+        )
         if killed_at is not None:
             next_done = []
             for survivor in survivors:
@@ -276,24 +305,34 @@ def kill_during_allreduce(folder: Path, *, epochs_before: int = 2, epochs_after:
             details["epoch_seconds_before"], details["epoch_seconds_after"] = epoch_before, epoch_after
             bound = settings.averaging_timeout + max(filter(None, [epoch_before, epoch_after, 0.0]))
             details["bound_seconds"] = bound
-            _check(details, "survivors finished the next epoch within averaging_timeout + one epoch",
-                   recover is not None and recover <= bound)
+            _check(
+                details,
+                "survivors finished the next epoch within averaging_timeout + one epoch",
+                recover is not None and recover <= bound,
+            )
         reached = [s.last_epoch() for s in survivors]
         details["survivor_epochs"] = reached
         _check(details, f"survivors trained {epochs_after} more epochs", min(reached) >= killed_epoch + epochs_after)
         _check(details, "loss fell on the survivors", all(_loss_fell(s) for s in survivors))
         rollback = any(_went_back(s) for s in survivors)
         _check(details, "no survivor went back an epoch", not rollback)
-    return ScenarioResult("b. SIGKILL a trainer during all-reduce", survived=_all_checks(details),
-                          epochs_lost=0 if not rollback else 1, recover_seconds=recover, data_lost=False,
-                          details=details, seconds=time.monotonic() - started)
+    return ScenarioResult(
+        "b. SIGKILL a trainer during all-reduce",
+        survived=_all_checks(details),
+        epochs_lost=0 if not rollback else 1,
+        recover_seconds=recover,
+        data_lost=False,
+        details=details,
+        seconds=time.monotonic() - started,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ c
 
 
-def partition_and_heal(folder: Path, *, partition_seconds: float = 30.0, match_within: int = 3,
-                       tolerance: float = 1e-4) -> ScenarioResult:
+def partition_and_heal(
+    folder: Path, *, partition_seconds: float = 30.0, match_within: int = 3, tolerance: float = 1e-4
+) -> ScenarioResult:
     """c. One trainer is cut off for ``partition_seconds``, then the partition heals: within ``match_within``
     epochs it must re-join and hold the others' parameters (exact averaging: equal within ``tolerance``, or at
     least as close to them as they are to each other)."""
@@ -348,8 +387,11 @@ def partition_and_heal(folder: Path, *, partition_seconds: float = 30.0, match_w
         details["param_distance_by_epoch"] = distances
         details["matched_at_epoch"] = in_family[0] if in_family else None
         details["epochs_matched_after_heal"] = f"{len(in_family)} of {len(distances)}"
-        _check(details, f"re-joined trainer matches the others within {match_within} epochs",
-               bool(in_family) and in_family[0] <= epoch_at_heal + match_within)
+        _check(
+            details,
+            f"re-joined trainer matches the others within {match_within} epochs",
+            bool(in_family) and in_family[0] <= epoch_at_heal + match_within,
+        )
         if in_family:
             recover = _param_file_time(cut, in_family[0]) - healed_at
         rolled_back = any(_went_back(t) for t in (t1, t2))
@@ -357,9 +399,15 @@ def partition_and_heal(folder: Path, *, partition_seconds: float = 30.0, match_w
         _check(details, "the others kept training during the partition", epoch_at_heal >= epoch_at_cut + 2)
         epochs_lost = 1 if rolled_back else 0
         _check(details, "loss fell", all(_loss_fell(t) for t in (t1, t2)))
-    return ScenarioResult(f"c. partition a trainer for {partition_seconds:g} s, heal", survived=_all_checks(details),
-                          epochs_lost=epochs_lost, recover_seconds=recover, data_lost=False, details=details,
-                          seconds=time.monotonic() - started)
+    return ScenarioResult(
+        f"c. partition a trainer for {partition_seconds:g} s, heal",
+        survived=_all_checks(details),
+        epochs_lost=epochs_lost,
+        recover_seconds=recover,
+        data_lost=False,
+        details=details,
+        seconds=time.monotonic() - started,
+    )
 
 
 def _param_file_time(trainer: SwarmPeer, epoch: int) -> float:
@@ -393,9 +441,14 @@ def poisoned_gradients(folder: Path, *, epochs: int = 10, scale: float = 1e6) ->
     with NetemSwarm(folder, 4, settings, INTERNET) as swarm:
         first = swarm.start_trainer(0, "h1", extra=["--min_peers", "4", "--max_epochs", str(epochs)])
         join = first.initial_peers(STARTUP)
-        others = _start_trainers(swarm, ["h2", "nan", "big"], [1, 2, 3], join, extra=["--max_epochs", str(epochs)],
-                                 env_by_name={"nan": {SEND_NONFINITE_GRADS_ENV: "1"},
-                                              "big": {SEND_GRAD_SCALE_ENV: f"{scale:g}"}})
+        others = _start_trainers(
+            swarm,
+            ["h2", "nan", "big"],
+            [1, 2, 3],
+            join,
+            extra=["--max_epochs", str(epochs)],
+            env_by_name={"nan": {SEND_NONFINITE_GRADS_ENV: "1"}, "big": {SEND_GRAD_SCALE_ENV: f"{scale:g}"}},
+        )
         honest = [first, others[0]]
         try:
             codes = wait_all(honest, timeout=120 + 40 * epochs)
@@ -421,11 +474,20 @@ def poisoned_gradients(folder: Path, *, epochs: int = 10, scale: float = 1e6) ->
         logs = "".join(t.log() for t in honest)
         details["nonfinite_contributions_dropped"] = logs.count("contributions with NaN/inf values")
         details["oversized_contributions_bounded"] = logs.count("Averaging: bounded")
-        _check(details, "faulty peers took part (their contributions were dropped or bounded)",
-               details["nonfinite_contributions_dropped"] > 0 and details["oversized_contributions_bounded"] > 0)
-    return ScenarioResult(f"f. NaN/inf gradients + {scale:g}x gradients", survived=_all_checks(details),
-                          epochs_lost=0, recover_seconds=None, data_lost=not finite, details=details,
-                          seconds=time.monotonic() - started)
+        _check(
+            details,
+            "faulty peers took part (their contributions were dropped or bounded)",
+            details["nonfinite_contributions_dropped"] > 0 and details["oversized_contributions_bounded"] > 0,
+        )
+    return ScenarioResult(
+        f"f. NaN/inf gradients + {scale:g}x gradients",
+        survived=_all_checks(details),
+        epochs_lost=0,
+        recover_seconds=None,
+        data_lost=not finite,
+        details=details,
+        seconds=time.monotonic() - started,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ g
@@ -456,8 +518,11 @@ def bad_dht_records(folder: Path) -> ScenarioResult:
         for index in range(2):
             validators, _ = make_validators(run_id, honest_key if index == 0 else other_key)
             peers = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
-            dhts.append(create_dht(NetworkArguments(run_id=run_id, host_maddrs=local, initial_peers=peers,
-                                                    rejoin_period=0), validators))
+            dhts.append(
+                create_dht(
+                    NetworkArguments(run_id=run_id, host_maddrs=local, initial_peers=peers, rejoin_period=0), validators
+                )
+            )
         first, second = dhts
         # the training progress records, validated as every trainer's hivemind.Optimizer does
         for dht, key in ((first, honest_key), (second, other_key)):
@@ -465,16 +530,30 @@ def bad_dht_records(folder: Path) -> ScenarioResult:
         rogue = hivemind.DHT(start=True, host_maddrs=local, initial_peers=[str(a) for a in first.get_visible_maddrs()])
         dhts.append(rogue)
 
-        metrics = LocalMetrics(epoch=3, samples_per_second=10.0, samples_accumulated=64, loss=33.0, mini_steps=4,
-                               samples_total=640, time=float(get_dht_time())).dict()
+        metrics = LocalMetrics(
+            epoch=3,
+            samples_per_second=10.0,
+            samples_accumulated=64,
+            loss=33.0,
+            mini_steps=4,
+            samples_total=640,
+            time=float(get_dht_time()),
+        ).dict()
         owner = owner_marker(honest_key)
         mkey = metrics_key(run_id)
-        fake_progress = dict(peer_id=rogue.peer_id.to_bytes(), epoch=10 ** 6, samples_accumulated=10 ** 6,
-                             samples_per_second=1e6, time=float(get_dht_time()), client_mode=False)
+        fake_progress = dict(
+            peer_id=rogue.peer_id.to_bytes(),
+            epoch=10**6,
+            samples_accumulated=10**6,
+            samples_per_second=1e6,
+            time=float(get_dht_time()),
+            client_mode=False,
+        )
         genuine = signed(craft(mkey, owner, metrics), honest_key)
         tampered = signed(craft(mkey, owner, metrics), honest_key)
-        tampered.value = tampered.value.replace(MSGPackSerializer_dumps(metrics),
-                                                MSGPackSerializer_dumps({**metrics, "epoch": 10 ** 6}))
+        tampered.value = tampered.value.replace(
+            MSGPackSerializer_dumps(metrics), MSGPackSerializer_dumps({**metrics, "epoch": 10**6})
+        )
         cases = {
             "malformed (signed, loss is a string)": signed(craft(mkey, owner, {**metrics, "loss": "high"}), honest_key),
             "malformed (signed, extra field)": signed(craft(mkey, owner, {**metrics, "admin": True}), honest_key),
@@ -485,18 +564,23 @@ def bad_dht_records(folder: Path) -> ScenarioResult:
             "forged (genuine signature, value changed)": tampered,
             "forged progress (epoch 10^6, unsigned)": craft(f"{run_id}_progress", owner, fake_progress),
             "forged progress (epoch 10^6, no owner)": craft(f"{run_id}_progress", b"rogue", fake_progress),
-            "oversized (1 MiB under a free key)": dataclasses.replace(craft(f"{run_id}_junk", None, b"x"),
-                                                                      repeat=2 ** 20),
-            "oversized (20 KiB under the metrics key)": dataclasses.replace(craft(mkey, b"rogue", b"x"),
-                                                                            repeat=20 * 1024),
+            "oversized (1 MiB under a free key)": dataclasses.replace(
+                craft(f"{run_id}_junk", None, b"x"), repeat=2**20
+            ),
+            "oversized (20 KiB under the metrics key)": dataclasses.replace(
+                craft(mkey, b"rogue", b"x"), repeat=20 * 1024
+            ),
         }
         verdicts = {}
         for name, record in cases.items():
             verdicts[name] = [raw_store(rogue, receiver, record) for receiver in (first, second)]
         details["accepted_by_honest_peers"] = {name: v for name, v in verdicts.items()}
         details["record_size_limit"] = MAX_RECORD_BYTES
-        _check(details, "every bad record was refused by both honest peers",
-               all(v == [False, False] for v in verdicts.values()))
+        _check(
+            details,
+            "every bad record was refused by both honest peers",
+            all(v == [False, False] for v in verdicts.values()),
+        )
         control = [raw_store(rogue, receiver, genuine) for receiver in (first, second)]
         details["valid record accepted"] = control
         _check(details, "a valid signed record sent the same way is accepted", control == [True, True])
@@ -506,15 +590,21 @@ def bad_dht_records(folder: Path) -> ScenarioResult:
         _check(details, "honest peers see only the genuine metrics", [m.epoch for m in seen.values()] == [3])
         epochs = [tracker.global_epoch for tracker in trackers]
         details["trackers_global_epoch"] = epochs
-        _check(details, "the swarm's epoch was not inflated", max(epochs) < 10 ** 6)
+        _check(details, "the swarm's epoch was not inflated", max(epochs) < 10**6)
     finally:
         for tracker in trackers:
             tracker.shutdown()
         for dht in dhts:
             dht.shutdown()
-    return ScenarioResult("g. malformed/unsigned/forged/oversized DHT records", survived=_all_checks(details),
-                          epochs_lost=0, recover_seconds=None, data_lost=False, details=details,
-                          seconds=time.monotonic() - started)
+    return ScenarioResult(
+        "g. malformed/unsigned/forged/oversized DHT records",
+        survived=_all_checks(details),
+        epochs_lost=0,
+        recover_seconds=None,
+        data_lost=False,
+        details=details,
+        seconds=time.monotonic() - started,
+    )
 
 
 def MSGPackSerializer_dumps(value) -> bytes:
@@ -563,24 +653,44 @@ def authorization(folder: Path) -> ScenarioResult:
         trainers += [intruder, unlisted]
 
         def network(name: str, **kwargs) -> NetworkArguments:
-            return NetworkArguments(run_id=run_id, host_maddrs=local, initial_peers=join, rejoin_period=0,
-                                    identity_path=str(identity[name]), **kwargs)
+            return NetworkArguments(
+                run_id=run_id,
+                host_maddrs=local,
+                initial_peers=join,
+                rejoin_period=0,
+                identity_path=str(identity[name]),
+                **kwargs,
+            )
 
         key_b = load_or_create_signing_key(signing_key_path(network("b").identity_path))
         member = create_dht(network("b", authorized_keys=str(allowlist)), make_validators(run_id, key_b)[0])
         dhts.append(member)
         key_u = load_or_create_signing_key(signing_key_path(network("u").identity_path))
         validators_u, public_u = make_validators(run_id, key_u)
-        stranger = hivemind.DHT(start=True, host_maddrs=local, initial_peers=join, record_validators=validators_u,
-                                identity_path=str(identity["u"]), ensure_bootstrap_success=False)
+        stranger = hivemind.DHT(
+            start=True,
+            host_maddrs=local,
+            initial_peers=join,
+            record_validators=validators_u,
+            identity_path=str(identity["u"]),
+            ensure_bootstrap_success=False,
+        )
         dhts.append(stranger)
 
         wait_for_epoch(owner, 1, timeout=120)
-        metrics = LocalMetrics(epoch=1, samples_per_second=1.0, samples_accumulated=16, loss=8.0, mini_steps=1,
-                               samples_total=16, time=float(get_dht_time()))
+        metrics = LocalMetrics(
+            epoch=1,
+            samples_per_second=1.0,
+            samples_accumulated=16,
+            loss=8.0,
+            mini_steps=1,
+            samples_total=16,
+            time=float(get_dht_time()),
+        )
         publish_metrics(stranger, run_id, public_u, metrics).result(timeout=30)
-        stored = raw_store(stranger, member, signed(craft(metrics_key(run_id), owner_marker(key_u), metrics.dict()),
-                                                    key_u))
+        stored = raw_store(
+            stranger, member, signed(craft(metrics_key(run_id), owner_marker(key_u), metrics.dict()), key_u)
+        )
         details["stranger_raw_store_answer"] = stored
         time.sleep(2.0)
         seen_by_member = fetch_metrics(member, run_id, timeout=15)
@@ -594,17 +704,27 @@ def authorization(folder: Path) -> ScenarioResult:
         as_member = probe_averaging(member, peer_id["a"], run_id)
         as_stranger = probe_averaging(stranger, peer_id["a"], run_id)
         details["averaging_rpcs_of_a_listed_peer"], details["averaging_rpcs_of_the_stranger"] = as_member, as_stranger
-        _check(details, "a listed peer may download the state and ask to join averaging",
-               all(answer.startswith("answered") for answer in as_member.values()))
+        _check(
+            details,
+            "a listed peer may download the state and ask to join averaging",
+            all(answer.startswith("answered") for answer in as_member.values()),
+        )
         _check(details, "the stranger may not", all(answer.startswith("refused") for answer in as_stranger.values()))
 
         codes = [intruder.wait(60), unlisted.wait(60)]
         details["intruder_and_unlisted_exit_codes"] = codes
-        _check(details, "a trainer without credentials cannot join (clear error)",
-               codes[0] != 0 and "could not reach any of the initial peers" in intruder.log())
-        _check(details, "an unlisted trainer is told to get listed",
-               codes[1] != 0 and f"is not in --authorized_keys {allowlist}" in unlisted.log()
-               and lines["unlisted"].split()[0] in unlisted.log())
+        _check(
+            details,
+            "a trainer without credentials cannot join (clear error)",
+            codes[0] != 0 and "could not reach any of the initial peers" in intruder.log(),
+        )
+        _check(
+            details,
+            "an unlisted trainer is told to get listed",
+            codes[1] != 0
+            and f"is not in --authorized_keys {allowlist}" in unlisted.log()
+            and lines["unlisted"].split()[0] in unlisted.log(),
+        )
         _check(details, "the owner logs refused averaging calls", "Refused rpc_download_state" in owner.log())
         _check(details, "the owner kept training", _loss_fell(owner, min_drop=0.0) or owner.poll() is None)
         details["owner_exit_code"] = _stop_all([owner])[0]
@@ -615,9 +735,15 @@ def authorization(folder: Path) -> ScenarioResult:
         from tests.support.processes import kill_all
 
         kill_all(trainers)
-    return ScenarioResult("h. authorization: peer without credentials", survived=_all_checks(details),
-                          epochs_lost=0, recover_seconds=None, data_lost=False, details=details,
-                          seconds=time.monotonic() - started)
+    return ScenarioResult(
+        "h. authorization: peer without credentials",
+        survived=_all_checks(details),
+        epochs_lost=0,
+        recover_seconds=None,
+        data_lost=False,
+        details=details,
+        seconds=time.monotonic() - started,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ i
@@ -658,7 +784,7 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(data[: len(data) // 2])
     elif how == "bytes changed":
         middle = len(data) // 2
-        path.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 16]) + data[middle + 16:])
+        path.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 16]) + data[middle + 16 :])
     elif how == "empty":
         path.write_bytes(b"")
     elif how == "garbage":
@@ -686,9 +812,16 @@ def _backup_cases(folder: Path, details: Dict[str, Any], logs: _LogCapture) -> b
     key = hivemind.utils.crypto.RSAPrivateKey()
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=make_validators("i", key)[0])
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    opt = build_optimizer(model=model, dht=dht, run_id="i", signing_key=key, batch_size_per_step=4,
-                          collab=CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
-                          optim=OptimizerArguments(), client_mode=False)
+    opt = build_optimizer(
+        model=model,
+        dht=dht,
+        run_id="i",
+        signing_key=key,
+        batch_size_per_step=4,
+        collab=CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
+        optim=OptimizerArguments(),
+        client_mode=False,
+    )
     ok = True
     try:
         written = {}
@@ -713,10 +846,13 @@ def _backup_cases(folder: Path, details: Dict[str, Any], logs: _LogCapture) -> b
             if how == "both damaged":
                 ok &= not restored and sum("Ignoring" in line for line in lines) == 2
             else:
-                ok &= (restored and opt.local_epoch == 1
-                       and all(torch.equal(v, model.state_dict()[k]) for k, v in written[1].items())
-                       and any(backup.BACKUP_NAME in line and "Ignoring" in line for line in lines)
-                       and any(backup.PREVIOUS_BACKUP_NAME in line and "Restored" in line for line in lines))
+                ok &= (
+                    restored
+                    and opt.local_epoch == 1
+                    and all(torch.equal(v, model.state_dict()[k]) for k, v in written[1].items())
+                    and any(backup.BACKUP_NAME in line and "Ignoring" in line for line in lines)
+                    and any(backup.PREVIOUS_BACKUP_NAME in line and "Restored" in line for line in lines)
+                )
         details["backups"] = results
     finally:
         opt.shutdown()
@@ -739,8 +875,16 @@ def _checkpoint_cases(folder: Path, details: Dict[str, Any], logs: _LogCapture) 
     for epoch in (2, 4, 6):
         with torch.no_grad():
             next(model.parameters()).add_(0.01)
-        manager.save(TrainingState(model=model, optimizer_state=sgd.state_dict(), scheduler_state=None, epoch=epoch,
-                                   loss=1.0, time=time.time()))
+        manager.save(
+            TrainingState(
+                model=model,
+                optimizer_state=sgd.state_dict(),
+                scheduler_state=None,
+                epoch=epoch,
+                loss=1.0,
+                time=time.time(),
+            )
+        )
     newest = "epoch_000006"
     weights = next(p.name for p in (pristine / newest).iterdir() if p.suffix == ".safetensors")
     cases = [(f"optimizer.pt {how}", OPTIMIZER_FILE, how) for how in DAMAGES]
@@ -761,8 +905,16 @@ def _checkpoint_cases(folder: Path, details: Dict[str, Any], logs: _LogCapture) 
     case = folder / "ckpt_optimizer.pt_truncated"
     manager = CheckpointManager(case, keep=3, model_class=LeanGPTForCausalLM)
     for epoch in (8, 10, 12):
-        manager.save(TrainingState(model=model, optimizer_state=sgd.state_dict(), scheduler_state=None, epoch=epoch,
-                                   loss=1.0, time=time.time()))
+        manager.save(
+            TrainingState(
+                model=model,
+                optimizer_state=sgd.state_dict(),
+                scheduler_state=None,
+                epoch=epoch,
+                loss=1.0,
+                time=time.time(),
+            )
+        )
     remaining = sorted(p.name for p in manager.list_checkpoints())
     results["after three more checkpoints"] = remaining
     ok &= newest in remaining and manager.load_newest_valid().state.epoch == 12
@@ -780,13 +932,25 @@ def corrupt_files(folder: Path) -> ScenarioResult:
     folder.mkdir(parents=True, exist_ok=True)
     details: Dict[str, Any] = {}
     with _LogCapture("peer.backup", "aux_monitor.checkpoints") as logs:
-        _check(details, "damaged newest backup: logged, the previous backup restored",
-               _backup_cases(folder / "backups", details, logs))
-        _check(details, "damaged newest checkpoint: logged, the previous checkpoint loaded, nothing deleted",
-               _checkpoint_cases(folder, details, logs))
-    return ScenarioResult("i. corrupt/truncated checkpoints and backups", survived=_all_checks(details),
-                          epochs_lost=0, recover_seconds=None, data_lost=not _all_checks(details), details=details,
-                          seconds=time.monotonic() - started)
+        _check(
+            details,
+            "damaged newest backup: logged, the previous backup restored",
+            _backup_cases(folder / "backups", details, logs),
+        )
+        _check(
+            details,
+            "damaged newest checkpoint: logged, the previous checkpoint loaded, nothing deleted",
+            _checkpoint_cases(folder, details, logs),
+        )
+    return ScenarioResult(
+        "i. corrupt/truncated checkpoints and backups",
+        survived=_all_checks(details),
+        epochs_lost=0,
+        recover_seconds=None,
+        data_lost=not _all_checks(details),
+        details=details,
+        seconds=time.monotonic() - started,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ d, e
@@ -850,8 +1014,12 @@ def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
         trainer_join = old[0].initial_peers(STARTUP)
         try:
             aux.events.wait("checkpoint_saved", timeout=150)
-            aux.events.wait("state_loaded", timeout=120, where=_refreshed,
-                            count=len(aux.events.all("state_loaded", where=_refreshed)) + 1)
+            aux.events.wait(
+                "state_loaded",
+                timeout=120,
+                where=_refreshed,
+                count=len(aux.events.all("state_loaded", where=_refreshed)) + 1,
+            )
         except (TimeoutError, RuntimeError) as error:
             d["error"] = str(error)[-300:]
         before_page = swarm.scrape_metrics(aux)
@@ -860,16 +1028,31 @@ def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
         aux.wait_until_gone(timeout=15)
         epoch_at_kill = max(t.last_epoch() for t in old)
         before = _verified_checkpoints(checkpoints)
-        d.update(checkpoints_before_kill=before, unfinished_write_at_kill=bool(list(checkpoints.glob(".tmp-*"))),
-                 metrics_epoch_before_kill=_metric(before_page, "global_epoch"), swarm_epoch_at_kill=epoch_at_kill)
+        d.update(
+            checkpoints_before_kill=before,
+            unfinished_write_at_kill=bool(list(checkpoints.glob(".tmp-*"))),
+            metrics_epoch_before_kill=_metric(before_page, "global_epoch"),
+            swarm_epoch_at_kill=epoch_at_kill,
+        )
         time.sleep(5.0)
-        restarted = swarm.start_aux(AUX_HOST, "aux-restarted", checkpoint_dir=checkpoints,
-                                    initial_peers=trainer_join, extra=[*aux_flags, "--resume"])
+        restarted = swarm.start_aux(
+            AUX_HOST,
+            "aux-restarted",
+            checkpoint_dir=checkpoints,
+            initial_peers=trainer_join,
+            extra=[*aux_flags, "--resume"],
+        )
         restarted.folder = aux.folder  # same identity (peer ID) as before the crash
         try:
             restarted.events.wait("state_loaded", timeout=STARTUP, where=_resumed)
-            page = wait_for(lambda: (lambda p: p if (_metric(p, "global_epoch") or -1) > epoch_at_kill else None)(
-                swarm.scrape_metrics(restarted)), timeout=120, interval=1.0, what="metrics past the crash epoch")
+            page = wait_for(
+                lambda: (lambda p: p if (_metric(p, "global_epoch") or -1) > epoch_at_kill else None)(
+                    swarm.scrape_metrics(restarted)
+                ),
+                timeout=120,
+                interval=1.0,
+                what="metrics past the crash epoch",
+            )
             d_recover = time.time() - killed_at
             d["metrics_epoch_after_restart"] = _metric(page, "global_epoch")
             restarted.events.wait("checkpoint_saved", timeout=120)
@@ -881,11 +1064,17 @@ def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
         d_lost = bool(lost)
         _check(d, "every checkpoint written before the crash is still there and intact", not lost)
         _check(d, "no unfinished checkpoint write is left", not list(checkpoints.glob(".tmp-*")))
-        _check(d, "the restarted aux peer resumed from its newest checkpoint",
-               bool(restarted.events.all("state_loaded", where=_resumed)))
+        _check(
+            d,
+            "the restarted aux peer resumed from its newest checkpoint",
+            bool(restarted.events.all("state_loaded", where=_resumed)),
+        )
         _check(d, "metrics resumed past the crash epoch", d_recover is not None)
-        _check(d, "a new checkpoint was written after the restart",
-               len(after) > len(before) or any(ok and name not in before for name, ok in after.items()))
+        _check(
+            d,
+            "a new checkpoint was written after the restart",
+            len(after) > len(before) or any(ok and name not in before for name, ok in after.items()),
+        )
         _check(d, "the trainers kept training", all(t.last_epoch() > epoch_at_kill for t in old))
 
         # e. every trainer dies at once; new ones with empty disks join through the aux peer
@@ -894,14 +1083,17 @@ def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
         for trainer in old:
             trainer.kill()
         wiped_at = time.time()
-        newest_checkpoint = max((int(n.split("_")[1].split(".")[0]) for n, ok in
-                                 _verified_checkpoints(checkpoints).items() if ok), default=0)
+        newest_checkpoint = max(
+            (int(n.split("_")[1].split(".")[0]) for n, ok in _verified_checkpoints(checkpoints).items() if ok),
+            default=0,
+        )
         e.update(swarm_epoch_at_wipeout=last_epoch, newest_checkpoint_epoch=newest_checkpoint)
         time.sleep(5.0)
         fresh = _start_trainers(swarm, ["n1", "n2"], [3, 4], [*restarted.initial_peers(10), *join])
         try:
-            joined = [int(t.events.wait("state_loaded", timeout=STARTUP, where=_joined_from_swarm)["epoch"])
-                      for t in fresh]
+            joined = [
+                int(t.events.wait("state_loaded", timeout=STARTUP, where=_joined_from_swarm)["epoch"]) for t in fresh
+            ]
             e["joined_at_epochs"] = joined
             for trainer in fresh:
                 trainer.events.wait("epoch_done", timeout=120)
@@ -912,8 +1104,11 @@ def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
             _check(e, "new trainers continued from the aux checkpoint's epoch (or later)", not e_data_lost)
             e["first_loss_after"] = _mean_loss(fresh, first=True)
             halfway = (e["first_loss"] + e["last_loss_before"]) / 2
-            _check(e, "training did not start over (loss nearer where it stopped than where it began)",
-                   e["first_loss_after"] < halfway)
+            _check(
+                e,
+                "training did not start over (loss nearer where it stopped than where it began)",
+                e["first_loss_after"] < halfway,
+            )
         except (TimeoutError, RuntimeError) as error:
             e["error"] = str(error)[-300:]
             _check(e, "new trainers joined and trained", False)
@@ -921,10 +1116,26 @@ def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
         e["exit_codes"] = codes
         _check(e, "new trainers and the aux peer stopped cleanly", codes == [0, 0, 0])
     took = time.monotonic() - started
-    return [ScenarioResult("d. kill the aux peer, restart it", survived=_all_checks(d), epochs_lost=0,
-                           recover_seconds=d_recover, data_lost=d_lost, details=d, seconds=took / 2),
-            ScenarioResult("e. every trainer dies, new ones start", survived=_all_checks(e), epochs_lost=e_lost,
-                           recover_seconds=e_recover, data_lost=e_data_lost, details=e, seconds=took / 2)]
+    return [
+        ScenarioResult(
+            "d. kill the aux peer, restart it",
+            survived=_all_checks(d),
+            epochs_lost=0,
+            recover_seconds=d_recover,
+            data_lost=d_lost,
+            details=d,
+            seconds=took / 2,
+        ),
+        ScenarioResult(
+            "e. every trainer dies, new ones start",
+            survived=_all_checks(e),
+            epochs_lost=e_lost,
+            recover_seconds=e_recover,
+            data_lost=e_data_lost,
+            details=e,
+            seconds=took / 2,
+        ),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ matrix

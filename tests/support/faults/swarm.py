@@ -8,6 +8,7 @@ Peers are the real entry points (``run_aux_peer.py``; trainers through the test 
 parameter dumps) started through ``tests.support.processes.PeerProcess`` inside the host; tests wait on their
 lifecycle events (``--events_file``) and read their logs.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -68,24 +69,64 @@ class SwarmSettings:
     extra: List[str] = field(default_factory=list)
 
     def flags(self, folder: Path) -> List[str]:
-        return ["--run_id", self.run_id, "--model_config", str(tiny_model_config(folder)),
-                "--target_batch_size", str(self.target_batch_size), "--matchmaking_time", str(self.matchmaking_time),
-                "--averaging_timeout", str(self.averaging_timeout),
-                "--load_state_timeout", str(self.load_state_timeout),
-                "--compression", self.compression, "--compression_threshold", "4096",
-                "--learning_rate", "0.03", "--min_learning_rate", "0.001", "--warmup_steps", "3",
-                "--total_steps", "200", "--max_sequence_length", "64", "--seq_warmup_start_length", "0",
-                "--rejoin_period", "2", *self.extra]
+        return [
+            "--run_id",
+            self.run_id,
+            "--model_config",
+            str(tiny_model_config(folder)),
+            "--target_batch_size",
+            str(self.target_batch_size),
+            "--matchmaking_time",
+            str(self.matchmaking_time),
+            "--averaging_timeout",
+            str(self.averaging_timeout),
+            "--load_state_timeout",
+            str(self.load_state_timeout),
+            "--compression",
+            self.compression,
+            "--compression_threshold",
+            "4096",
+            "--learning_rate",
+            "0.03",
+            "--min_learning_rate",
+            "0.001",
+            "--warmup_steps",
+            "3",
+            "--total_steps",
+            "200",
+            "--max_sequence_length",
+            "64",
+            "--seq_warmup_start_length",
+            "0",
+            "--rejoin_period",
+            "2",
+            *self.extra,
+        ]
 
 
 class SwarmPeer(PeerProcess):
     """A peer process inside a test host; ``folder`` holds its output, identity and (trainers) parameters; its log
     and lifecycle events (``self.events``) are next to that folder."""
 
-    def __init__(self, args: Sequence[str], *, name: str, folder: Path, host: Host, role: str,
-                 env: Optional[Dict[str, str]] = None, **entry_point):
-        super().__init__(args, name=name, log_path=folder.parent / f"{name}.log", env=env,
-                         events_path=events_path(folder.parent, name), **entry_point)
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        name: str,
+        folder: Path,
+        host: Host,
+        role: str,
+        env: Optional[Dict[str, str]] = None,
+        **entry_point,
+    ):
+        super().__init__(
+            args,
+            name=name,
+            log_path=folder.parent / f"{name}.log",
+            env=env,
+            events_path=events_path(folder.parent, name),
+            **entry_point,
+        )
         self.folder, self.host, self.role = folder, host, role
         self.command = host.command(self.command)  # `ip netns exec` execs: the pid is python's
 
@@ -148,30 +189,83 @@ class NetemSwarm:
 
     def _network_flags(self, index: int, name: str) -> List[str]:
         folder = self.folder / name
-        return ["--host_maddrs", f"/ip4/{self.host(index).ip}/tcp/{PORT}", "--announce_maddrs",
-                self.proxies[index].maddr, "--identity_path", str(folder / "identity.key")]
+        return [
+            "--host_maddrs",
+            f"/ip4/{self.host(index).ip}/tcp/{PORT}",
+            "--announce_maddrs",
+            self.proxies[index].maddr,
+            "--identity_path",
+            str(folder / "identity.key"),
+        ]
 
-    def start_trainer(self, index: int, name: str, *, initial_peers: Sequence[str] = (), extra: Sequence[str] = (),
-                      env: Optional[Dict[str, str]] = None) -> SwarmPeer:
+    def start_trainer(
+        self,
+        index: int,
+        name: str,
+        *,
+        initial_peers: Sequence[str] = (),
+        extra: Sequence[str] = (),
+        env: Optional[Dict[str, str]] = None,
+    ) -> SwarmPeer:
         folder = self.folder / name
-        args = ["--config", "tiny", *self.settings.flags(self.folder), *self._network_flags(index, name),
-                "--output_dir", str(folder), "--per_device_batch_size", "32", "--startup_wait", "120"]
+        args = [
+            "--config",
+            "tiny",
+            *self.settings.flags(self.folder),
+            *self._network_flags(index, name),
+            "--output_dir",
+            str(folder),
+            "--per_device_batch_size",
+            "32",
+            "--startup_wait",
+            "120",
+        ]
         if initial_peers:
             args += ["--initial_peers", *initial_peers]
         env = {PARAMS_DIR_ENV: str(folder / "params"), **(env or {})}
-        return self._start(SwarmPeer([*args, *extra], name=name, folder=folder, host=self.host(index),
-                                     role="trainer", env=env, **trainer_entry_point(env)))
+        return self._start(
+            SwarmPeer(
+                [*args, *extra],
+                name=name,
+                folder=folder,
+                host=self.host(index),
+                role="trainer",
+                env=env,
+                **trainer_entry_point(env),
+            )
+        )
 
-    def start_aux(self, index: int, name: str, *, initial_peers: Sequence[str] = (), checkpoint_dir: Path,
-                  extra: Sequence[str] = ()) -> SwarmPeer:
+    def start_aux(
+        self,
+        index: int,
+        name: str,
+        *,
+        initial_peers: Sequence[str] = (),
+        checkpoint_dir: Path,
+        extra: Sequence[str] = (),
+    ) -> SwarmPeer:
         folder = self.folder / name
-        args = [*self.settings.flags(self.folder), *self._network_flags(index, name),
-                "--checkpoint_dir", str(checkpoint_dir), "--metrics_host", self.host(index).ip,
-                "--metrics_port", str(METRICS_PORT), "--refresh_period", "1", "--alive_window", "30"]
+        args = [
+            *self.settings.flags(self.folder),
+            *self._network_flags(index, name),
+            "--checkpoint_dir",
+            str(checkpoint_dir),
+            "--metrics_host",
+            self.host(index).ip,
+            "--metrics_port",
+            str(METRICS_PORT),
+            "--refresh_period",
+            "1",
+            "--alive_window",
+            "30",
+        ]
         if initial_peers:
             args += ["--initial_peers", *initial_peers]
-        return self._start(SwarmPeer([*args, *extra], name=name, folder=folder, host=self.host(index),
-                                     role="aux", script="run_aux_peer.py"))
+        return self._start(
+            SwarmPeer(
+                [*args, *extra], name=name, folder=folder, host=self.host(index), role="aux", script="run_aux_peer.py"
+            )
+        )
 
     def _start(self, peer: SwarmPeer) -> SwarmPeer:
         peer.folder.mkdir(parents=True, exist_ok=True)
@@ -180,8 +274,10 @@ class NetemSwarm:
 
     def scrape_metrics(self, aux: SwarmPeer, timeout: float = 10.0) -> Optional[str]:
         """The aux peer's Prometheus page, fetched from inside its host (None if it does not answer)."""
-        result = aux.host.exec(["curl", "-s", "--max-time", str(timeout),
-                                f"http://{aux.host.ip}:{METRICS_PORT}/metrics"], timeout=timeout + 5)
+        result = aux.host.exec(
+            ["curl", "-s", "--max-time", str(timeout), f"http://{aux.host.ip}:{METRICS_PORT}/metrics"],
+            timeout=timeout + 5,
+        )
         return result.stdout if result.returncode == 0 and result.stdout else None
 
     def partition(self, index: int) -> None:

@@ -1,4 +1,5 @@
 """Talk JSON lines to a helper process running inside a test host (its stdin/stdout), with timeouts."""
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,7 @@ class JsonLinesProcess:
                 line, self._buffer = self._buffer.split(b"\n", 1)
                 text = line.decode(errors="replace")
                 if text.startswith(REPLY_PREFIX):
-                    return json.loads(text[len(REPLY_PREFIX):])
+                    return json.loads(text[len(REPLY_PREFIX) :])
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"{self.name} sent no reply within {timeout}s")

@@ -16,6 +16,7 @@ answers one request per stdin line:
 
 The test-side wrapper is :class:`DHTAgent`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,8 +93,11 @@ def serve(host_maddr: str, announce_maddr: str, initial_peers: Sequence[str], wa
     import hivemind
 
     dht = hivemind.DHT(
-        initial_peers=list(initial_peers), host_maddrs=[host_maddr], announce_maddrs=[announce_maddr],
-        wait_timeout=2, start=True,
+        initial_peers=list(initial_peers),
+        host_maddrs=[host_maddr],
+        announce_maddrs=[announce_maddr],
+        wait_timeout=2,
+        start=True,
     )
     watchdog = None
     if watchdog_period:
@@ -115,10 +119,23 @@ class DHTAgent:
     """Test side: a DHT peer on ``host`` listening on ``port``, announced as ``announce_port``
     (normally a proxy's port on the same host)."""
 
-    def __init__(self, host: "Host", port: int, announce_port: int, initial_peers: Sequence[str] = (),
-                 start_timeout: float = 60.0, watchdog_period: float = 0):
-        args = ["--host-maddr", f"/ip4/{host.ip}/tcp/{port}",
-                "--announce-maddr", f"/ip4/{host.ip}/tcp/{announce_port}", "--watchdog-period", str(watchdog_period)]
+    def __init__(
+        self,
+        host: "Host",
+        port: int,
+        announce_port: int,
+        initial_peers: Sequence[str] = (),
+        start_timeout: float = 60.0,
+        watchdog_period: float = 0,
+    ):
+        args = [
+            "--host-maddr",
+            f"/ip4/{host.ip}/tcp/{port}",
+            "--announce-maddr",
+            f"/ip4/{host.ip}/tcp/{announce_port}",
+            "--watchdog-period",
+            str(watchdog_period),
+        ]
         for maddr in initial_peers:
             args += ["--initial-peer", maddr]
         proc = host.python("-m", MODULE, *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -173,8 +190,12 @@ def main() -> None:
     parser.add_argument("--host-maddr", required=True, help="e.g. /ip4/10.213.5.1/tcp/40000")
     parser.add_argument("--announce-maddr", required=True, help="the proxy's address, e.g. /ip4/10.213.5.1/tcp/40001")
     parser.add_argument("--initial-peer", action="append", default=[], help="multiaddr with /p2p/<id>; repeatable")
-    parser.add_argument("--watchdog-period", type=float, default=0,
-                        help="run peer.swarm.watchdog.DHTWatchdog with this period in seconds (0: no watchdog)")
+    parser.add_argument(
+        "--watchdog-period",
+        type=float,
+        default=0,
+        help="run peer.swarm.watchdog.DHTWatchdog with this period in seconds (0: no watchdog)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     serve(args.host_maddr, args.announce_maddr, args.initial_peer, args.watchdog_period)

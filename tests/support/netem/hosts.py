@@ -9,6 +9,7 @@ Layout of one :class:`Testbed` (``P`` is the per-run prefix, e.g. ``lhnet4242r1a
 Nothing is created in the root namespace, so the machine's real interfaces are never touched, and
 the hosts have no default route: their traffic can only reach loopback or the other test hosts.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -146,8 +147,13 @@ class Host:
     def exec(self, cmd: Command, timeout: float = 30.0, check: bool = False) -> subprocess.CompletedProcess:
         """Run ``cmd`` inside this host to completion and capture its output as text."""
         return subprocess.run(
-            self.command(cmd), capture_output=True, text=True, timeout=timeout, check=check,
-            cwd=str(REPO_ROOT), env=_child_env(),
+            self.command(cmd),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=check,
+            cwd=str(REPO_ROOT),
+            env=_child_env(),
         )
 
     def python(self, *args: str, **popen_kwargs) -> subprocess.Popen:
@@ -218,8 +224,7 @@ class Testbed:
         self._created.append(name)
         _sh("ip", "-n", name, "link", "set", "lo", "up")
         # no IPv6 chatter (router solicitations, DAD) eating into the bandwidth budget
-        _sh("ip", "netns", "exec", name, "sh", "-c",
-            "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6", check=False)
+        _sh("ip", "netns", "exec", name, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6", check=False)
 
     def _build(self) -> None:
         self._add_namespace(self.switch)
@@ -227,13 +232,28 @@ class Testbed:
         _sh("ip", "-n", self.switch, "link", "set", BRIDGE, "up")
         for index in range(self.num_hosts):
             host = Host(
-                name=f"{self.prefix}-h{index}", ip=f"10.213.{self._subnet_index}.{index + 1}",
-                index=index, bridge_port=f"p{index}",
+                name=f"{self.prefix}-h{index}",
+                ip=f"10.213.{self._subnet_index}.{index + 1}",
+                index=index,
+                bridge_port=f"p{index}",
             )
             self._add_namespace(host.name)
             # created inside the switch namespace, the other end moved straight into the host: never in root ns
-            _sh("ip", "-n", self.switch, "link", "add", host.bridge_port, "type", "veth",
-                "peer", "name", HOST_IFACE, "netns", host.name)
+            _sh(
+                "ip",
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                host.bridge_port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                HOST_IFACE,
+                "netns",
+                host.name,
+            )
             _sh("ip", "-n", self.switch, "link", "set", host.bridge_port, "master", BRIDGE)
             _sh("ip", "-n", self.switch, "link", "set", host.bridge_port, "up")
             _sh("ip", "-n", host.name, "addr", "add", f"{host.ip}/24", "dev", HOST_IFACE)
@@ -276,15 +296,24 @@ class Testbed:
     # ---- proxies and partitions ----
 
     def start_proxy(
-        self, host: Host, target_port: int, *, listen_port: int = 0, settings: Optional[ProxySettings] = None,
+        self,
+        host: Host,
+        target_port: int,
+        *,
+        listen_port: int = 0,
+        settings: Optional[ProxySettings] = None,
         ready_timeout: float = 15.0,
     ) -> ProxyHandle:
         """Start a latency/loss/partition proxy on ``host`` forwarding ``host.ip:listen_port`` to
         ``host.ip:target_port`` (listen_port 0 picks a free port, see ``handle.port``)."""
         control = Path("/tmp") / f"{self.prefix}-h{host.index}-{target_port}-{len(self.proxies)}.sock"
         handle = ProxyHandle.launch(
-            host, listen=f"{host.ip}:{listen_port}", target=f"{host.ip}:{target_port}",
-            control_path=control, settings=settings, ready_timeout=ready_timeout,
+            host,
+            listen=f"{host.ip}:{listen_port}",
+            target=f"{host.ip}:{target_port}",
+            control_path=control,
+            settings=settings,
+            ready_timeout=ready_timeout,
         )
         self.proxies.append(handle)
         for partitioned in self._partitioned:  # hosts cut off now stay cut off from the new proxy too

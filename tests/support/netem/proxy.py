@@ -29,6 +29,7 @@ without a read-modify-write race. ``{}`` only asks for the status. Each request 
 ``{"ok": true, "port": ..., "settings": {...}, "connections": n, "blackholed": n}`` or
 ``{"ok": false, "error": "..."}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,8 +102,10 @@ class ProxySettings:
         known = {f.name for f in dataclasses.fields(self)}
         unknown = set(request) - known
         if unknown:
-            raise ValueError(f"unknown setting(s) {sorted(unknown)}; valid keys: {sorted(known)} "
-                             "plus add_partitioned_sources / remove_partitioned_sources")
+            raise ValueError(
+                f"unknown setting(s) {sorted(unknown)}; valid keys: {sorted(known)} "
+                "plus add_partitioned_sources / remove_partitioned_sources"
+            )
         return dataclasses.replace(self, **request, partitioned_sources=sorted(sources))
 
     def is_cut(self, source_ip: str) -> bool:
@@ -285,8 +288,11 @@ class ControlServer:
 
     def status(self) -> Dict[str, Any]:
         return {
-            "ok": True, "port": self.proxy.port, "settings": dataclasses.asdict(self.proxy.settings),
-            "connections": len(self.proxy.connections), "blackholed": len(self.proxy.blackholed),
+            "ok": True,
+            "port": self.proxy.port,
+            "settings": dataclasses.asdict(self.proxy.settings),
+            "connections": len(self.proxy.connections),
+            "blackholed": len(self.proxy.blackholed),
         }
 
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -295,7 +301,7 @@ class ControlServer:
                 try:
                     request = json.loads(line)
                     if not isinstance(request, dict):
-                        raise ValueError("a control request must be a JSON object, e.g. {\"delay_ms\": 50}")
+                        raise ValueError('a control request must be a JSON object, e.g. {"delay_ms": 50}')
                     if request:
                         self.proxy.apply(self.proxy.settings.updated(request))
                         logger.info("settings now %s", self.proxy.settings)
@@ -331,21 +337,42 @@ class ProxyHandle:
 
     def __init__(self, host: "Host", process: subprocess.Popen, control_path: Path, log_path: Path, port: int):
         self.host, self.process, self.control_path, self.log_path, self.port = (
-            host, process, control_path, log_path, port)
+            host,
+            process,
+            control_path,
+            log_path,
+            port,
+        )
 
     @classmethod
     def launch(
-        cls, host: "Host", *, listen: str, target: str, control_path: Path,
-        settings: Optional[ProxySettings] = None, ready_timeout: float = 15.0,
+        cls,
+        host: "Host",
+        *,
+        listen: str,
+        target: str,
+        control_path: Path,
+        settings: Optional[ProxySettings] = None,
+        ready_timeout: float = 15.0,
     ) -> "ProxyHandle":
         """Start ``python -m tests.support.netem.proxy`` in ``host`` and wait until its control socket answers."""
         settings = settings or ProxySettings()
         log_path = control_path.with_suffix(".log")
         with open(log_path, "wb") as log:
             process = host.python(
-                "-m", "tests.support.netem.proxy", "--listen", listen, "--target", target,
-                "--control", str(control_path), "--settings", json.dumps(dataclasses.asdict(settings)),
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                "-m",
+                "tests.support.netem.proxy",
+                "--listen",
+                listen,
+                "--target",
+                target,
+                "--control",
+                str(control_path),
+                "--settings",
+                json.dumps(dataclasses.asdict(settings)),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + ready_timeout
         while True:
@@ -359,7 +386,8 @@ class ProxyHandle:
                 process.kill()
                 raise RuntimeError(
                     f"proxy on {host.name} did not start within {ready_timeout}s (rc={process.poll()}); "
-                    f"log {log_path}:\n{log_path.read_text()[-2000:]}")
+                    f"log {log_path}:\n{log_path.read_text()[-2000:]}"
+                )
             time.sleep(0.05)
 
     @property
@@ -432,11 +460,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--listen", type=parse_address, required=True, help="IP:PORT to accept on (port 0: any free)")
     parser.add_argument("--target", type=parse_address, required=True, help="IP:PORT to forward to")
     parser.add_argument("--control", type=Path, required=True, help="UNIX socket path for run-time settings")
-    parser.add_argument("--settings", type=_settings, default=ProxySettings(),
-                        help='initial settings as JSON, e.g. \'{"delay_ms": 25, "jitter_ms": 5}\'')
+    parser.add_argument(
+        "--settings",
+        type=_settings,
+        default=ProxySettings(),
+        help='initial settings as JSON, e.g. \'{"delay_ms": 25, "jitter_ms": 5}\'',
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s proxy[%(process)d] %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(levelname)s proxy[%(process)d] %(message)s"
+    )
     asyncio.run(_serve(args))
 
 

@@ -10,6 +10,7 @@ CLI (each runs inside a host via ``host.python("-m", "tests.support.netem.tools"
 - ``sink --listen IP:PORT`` / ``source --connect IP:PORT --bytes N``: bulk transfer; the sink replies
   ``{"bytes", "seconds", "mbit_s"}`` measured from first to last byte.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,7 +70,7 @@ def _stream(sock: socket.socket, count: int) -> bool:
     """Send ``count`` numbered lines as separate small writes; True if they come back intact and in order."""
     sent = b"".join(b"%08d\n" % i for i in range(count))
     for i in range(count):
-        sock.sendall(sent[9 * i: 9 * (i + 1)])
+        sock.sendall(sent[9 * i : 9 * (i + 1)])
         time.sleep(0.001)  # separate chunks, so the proxy delays each one independently
     return _recv_exactly(sock, len(sent)) == sent
 
@@ -161,8 +162,14 @@ class EchoClient:
         self.channel.close()
 
 
-def measure_throughput(sender: "Host", receiver: "Host", nbytes: int, port: int = 45000,
-                       timeout: float = 30.0, connect_to: Optional[str] = None) -> Dict:
+def measure_throughput(
+    sender: "Host",
+    receiver: "Host",
+    nbytes: int,
+    port: int = 45000,
+    timeout: float = 30.0,
+    connect_to: Optional[str] = None,
+) -> Dict:
     """Send ``nbytes`` from ``sender`` to a sink on ``receiver.ip:port`` over TCP (through ``connect_to``,
     e.g. a proxy's address, if given); returns the sink's measurement."""
     sink = _start(receiver, "sink", "--listen", f"{receiver.ip}:{port}")
