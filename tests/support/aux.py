@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -21,10 +23,12 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.processes import REPO_ROOT, PeerProcess, kill_all
+from tests.support.processes import PeerProcess, kill_all
 from tests.support.trainers import events_path, tiny_model_config
 
-ARTIFACTS = REPO_ROOT / "outputs" / "test_artifacts"  # screenshots for humans; /outputs/ is git-ignored
+# Screenshots for humans to look at: tests write only to temporary folders, never into the checkout
+# (LEANHIVE_TEST_ARTIFACTS picks another folder, e.g. to keep them from a CI run).
+ARTIFACTS = Path(os.environ.get("LEANHIVE_TEST_ARTIFACTS", Path(tempfile.gettempdir()) / "leanhive_test_artifacts"))
 
 CHROMIUM_FLAGS = [
     "--headless",
