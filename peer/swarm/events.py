@@ -11,7 +11,9 @@ flushed as it happens. The events and their fields:
 - ``epoch_done`` (trainer): ``epoch``, ``loss`` (mean, or null), ``mini_steps``, ``samples``, ``steps``, ``skipped``,
   ``now_at``
 - ``backup_written`` (trainer) / ``checkpoint_saved`` (aux peer): ``epoch``, ``path``
+- ``backup_failed`` (trainer, e.g. a full disk; retried at the next epoch): ``epoch``, ``path``, ``error``
 - ``offering_checkpoint`` (aux peer, no trainer online): ``epoch``
+- ``swarm_lost`` (the DHT process or its p2pd daemon died; the peer then exits with status 1): ``reason``
 - ``reconnected`` (after being cut off from every peer): ``after_seconds``
 - ``max_epochs_reached`` (trainer): ``epoch``
 - ``exiting``: ``code``
