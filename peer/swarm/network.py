@@ -22,7 +22,7 @@ from peer.swarm.identity import load_or_create_signing_key, signing_key_path
 from peer.swarm.records import make_validators
 from peer.swarm.watchdog import DHTWatchdog, start_watchdog
 
-__all__ = ["NetworkArguments", "NetworkSetupError", "SwarmConnection", "connect", "create_dht", "initial_peers_line"]
+__all__ = ["NetworkArguments", "NetworkSetupError", "SwarmConnection", "connect", "create_dht", "joinable_maddrs"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def connect(args: NetworkArguments) -> SwarmConnection:
     dht = create_dht(args, validators)
     watchdog = start_watchdog(dht, args)
     maddrs = joinable_maddrs(dht)
-    join_line = f"{initial_peers_line(dht, maddrs)} --run_id {args.run_id}"
+    join_line = f"--initial_peers {' '.join(maddrs)} --run_id {args.run_id}"  # the exact text others paste
     logger.info("To join this collaboration, run peers with:\n%s", join_line)
     events.emit("dht_started", peer_id=dht.peer_id.to_base58(), initial_peers=maddrs, run_id=args.run_id)
     return SwarmConnection(dht, watchdog, signing_key, public_key, join_line)
@@ -182,8 +182,3 @@ def joinable_maddrs(dht: hivemind.DHT) -> List[str]:
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     public = [m for m in maddrs if not m.startswith(("/ip4/127.", "/ip6/::1"))]
     return public or maddrs
-
-
-def initial_peers_line(dht: hivemind.DHT, maddrs: Optional[Sequence[str]] = None) -> str:
-    """The exact text other peers paste to join."""
-    return "--initial_peers " + " ".join(joinable_maddrs(dht) if maddrs is None else maddrs)
