@@ -22,7 +22,9 @@ class AuxArguments:
     alive_window: float = 300.0
     """A trainer counts as online if it reported metrics within this many seconds (more than one epoch)."""
     metrics_host: str = "0.0.0.0"
-    """Address the HTTP server (Prometheus /metrics and the dashboard) listens on."""
+    """Address the HTTP server (Prometheus /metrics and the dashboard) listens on. 0.0.0.0 (all interfaces) lets
+    Prometheus on another host or container scrape it; the endpoints are read-only and show only what the DHT
+    already publishes. Use 127.0.0.1 to keep them on this machine (e.g. behind a reverse proxy)."""
     metrics_port: int = 9100
     """Port of the HTTP server: /metrics for Prometheus, / for the dashboard, /api/state as JSON; 0 picks one."""
     checkpoint_dir: str = "checkpoints"

@@ -102,13 +102,29 @@ class CheckpointManager:
         self.keep = keep
         self.model_class = model_class
         self._verified: Dict[str, bool] = {}  # file-level verification results by directory name
+        self._symlinks_reported: set = set()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_unfinished_writes()
 
     # ---------------------------------------------------------------- listing
     def list_checkpoints(self) -> List[Path]:
         """Promoted checkpoint directories, newest first (damaged ones included)."""
-        paths = [p for p in self.directory.iterdir() if p.is_dir() and _NAME.match(p.name)]
+        paths = []
+        for path in self.directory.iterdir():
+            if not _NAME.match(path.name):
+                continue
+            if path.is_symlink():
+                # not written by this manager: never loaded, counted, rotated or deleted (it may point anywhere)
+                if path.name not in self._symlinks_reported:
+                    self._symlinks_reported.add(path.name)
+                    logger.warning(
+                        "Ignoring %s: it is a symbolic link, not a checkpoint this aux peer wrote; "
+                        "copy the directory in instead if it should be used",
+                        path,
+                    )
+                continue
+            if path.is_dir():
+                paths.append(path)
         return sorted(paths, key=_sort_key, reverse=True)
 
     # ---------------------------------------------------------------- writing
@@ -117,21 +133,34 @@ class CheckpointManager:
         broken = [name for name, tensor in state.model.state_dict().items() if not torch.isfinite(tensor).all()]
         if broken:
             raise CheckpointError(f"the state of epoch {state.epoch} has NaN/inf parameters ({', '.join(broken[:3])})")
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}epoch_{state.epoch:06d}-", dir=self.directory))
+        tmp = None
         try:
+            tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}epoch_{state.epoch:06d}-", dir=self.directory))
             self._write(tmp, state)
             loaded = self.load(tmp)
             _check_same_model(state.model, loaded.state.model)
             final = self._free_name(state.epoch)
             os.rename(tmp, final)
             _fsync_dir(self.directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as e:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, Exception) and not isinstance(e, CheckpointError):
+                # a full disk (torch.save and safetensors report it as their own errors), a read-only folder: the
+                # caller logs it and tries again at a later epoch; the checkpoints already written are untouched
+                raise CheckpointError(
+                    f"writing the checkpoint of epoch {state.epoch} to {self.directory} failed "
+                    f"({str(e).strip()[:200] or type(e).__name__}); if the disk is full, free disk space there "
+                    "or change --checkpoint_dir"
+                ) from e
             raise
         self._verified[final.name] = True
         logger.info("Saved checkpoint of epoch %d to %s", state.epoch, final)
         events.emit("checkpoint_saved", epoch=state.epoch, path=str(final))
-        self.rotate()
+        try:
+            self.rotate()
+        except OSError as e:  # the new checkpoint is in place: an old one that cannot be deleted is not fatal
+            logger.error("Could not delete old checkpoints in %s (%s); they are left in place", self.directory, e)
         return CheckpointInfo(epoch=state.epoch, time=state.time, path=str(final), loss=state.loss)
 
     def _write(self, directory: Path, state: TrainingState) -> None:
@@ -153,7 +182,7 @@ class CheckpointManager:
     def _free_name(self, epoch: int) -> Path:
         """``epoch_000012``, or ``epoch_000012.1`` etc. if a (possibly damaged) one already exists."""
         path, suffix = self.directory / f"epoch_{epoch:06d}", 0
-        while path.exists():
+        while os.path.lexists(path):  # a dangling symlink takes the name too (renaming onto it fails)
             suffix += 1
             path = self.directory / f"epoch_{epoch:06d}.{suffix}"
         return path
@@ -235,7 +264,11 @@ class CheckpointManager:
             if kept < self.keep:
                 kept += 1
                 continue
-            shutil.rmtree(path)
+            try:
+                shutil.rmtree(path)
+            except OSError as e:
+                logger.error("Could not delete the old checkpoint %s (%s); it is left in place", path, e)
+                continue
             self._verified.pop(path.name, None)
             deleted.append(path)
             logger.info("Deleted old checkpoint %s (keeping the %d newest)", path, self.keep)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Optional
 
 from aux_monitor.state import CheckpointInfo
@@ -26,6 +27,9 @@ class HubUploader:
         self._api = HfApi()
         self._thread: Optional[threading.Thread] = None
         self._pending: Optional[CheckpointInfo] = None
+        # True from the moment a drain thread is started until it finds nothing pending (both under the lock):
+        # a thread that has seen nothing pending but is still alive must not be counted on for a new checkpoint
+        self._draining = False
         self._lock = threading.Lock()
         self._repo_ready = False
         self.uploaded: list = []  # CheckpointInfo of every successful upload, oldest first
@@ -34,20 +38,28 @@ class HubUploader:
         """Upload ``checkpoint`` soon; if several arrive during one upload, only the newest waiting one is sent."""
         with self._lock:
             self._pending = checkpoint
-            if self._thread is None or not self._thread.is_alive():
+            if not self._draining:
+                self._draining = True
                 self._thread = threading.Thread(target=self._drain, name="hub-upload", daemon=True)
                 self._thread.start()
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
+        """Until no upload is running or waiting (or ``timeout`` seconds have passed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            thread = self._thread
+            if thread is None:
+                return
+            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive() or self._thread is thread:  # timed out, or nothing newer was started
+                return
 
     def _drain(self) -> None:
         while True:
             with self._lock:
                 checkpoint, self._pending = self._pending, None
                 if checkpoint is None:
+                    self._draining = False
                     return
             self._upload(checkpoint)
 

@@ -31,7 +31,8 @@ def _schema(model: torch.nn.Module) -> list:
 
 
 def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[Path]:
-    """Parameters + optimizer state + epoch; refuses (returns None) if anything is NaN/inf."""
+    """Parameters + optimizer state + epoch; returns None (logged) if anything is NaN/inf or the write fails (e.g.
+    a full disk): a failed backup never ends training and never removes the last good one."""
     # a delayed optimizer step runs in hivemind's background thread under this lock: no half-updated snapshot
     lock = getattr(getattr(optimizer, "state_averager", None), "lock_optimizer", None) or contextlib.nullcontext()
     with lock:
@@ -53,9 +54,22 @@ def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[
             model=model.state_dict(), optimizer=opt_state, schema=_schema(model), epoch=optimizer.local_epoch
         )
         payload["digest"] = tensor_digest(payload)
-        if path.exists():  # the newest becomes the previous one; a crash before the next line leaves that one
-            os.replace(path, path.with_name(PREVIOUS_BACKUP_NAME))
-        atomic_torch_save(payload, path)
+        try:
+            if path.exists():  # the newest becomes the previous one; a crash before the next line leaves that one
+                os.replace(path, path.with_name(PREVIOUS_BACKUP_NAME))
+            atomic_torch_save(payload, path)
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            # atomic_torch_save removed its partial file; the last good backup is backup.prev.pt (load_backup
+            # falls back to it), so nothing is lost and training goes on
+            logger.error(
+                "Could not write the backup at global epoch %d to %s (%s); the previous backup is kept and the "
+                "backup is retried at the next epoch. Free disk space in --output_dir or point it elsewhere.",
+                optimizer.local_epoch,
+                path,
+                str(e).strip().splitlines()[0][:200] if str(e).strip() else repr(e),
+            )
+            events.emit("backup_failed", epoch=optimizer.local_epoch, path=str(path), error=type(e).__name__)
+            return None
         logger.info("Wrote a local backup at global epoch %d to %s", optimizer.local_epoch, path)
         events.emit("backup_written", epoch=optimizer.local_epoch, path=str(path))
         return path

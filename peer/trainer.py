@@ -105,6 +105,7 @@ class TrainerPeer:
         self.samples_total = 0
         self.skipped_steps_total = 0
         self.local_step = 0
+        self._backup_failed = False
         self._batches: Optional[Iterator[dict]] = None
 
     # ------------------------------------------------------------------------------------ start
@@ -138,9 +139,10 @@ class TrainerPeer:
 
     @property
     def batch_size_per_step(self) -> int:
+        """Samples per local step: the model trains on the one device of its placement, however many GPUs the
+        host has (counting them all would close epochs with 1/N of the target and weigh this peer N times)."""
         train = self.config.training
-        devices = torch.cuda.device_count() if self.placement and self.placement.device.type == "cuda" else 1
-        return train.per_device_batch_size * train.gradient_accumulation_steps * max(devices, 1)
+        return train.per_device_batch_size * train.gradient_accumulation_steps
 
     def _build_data(self) -> None:
         data = self.config.data
@@ -301,8 +303,10 @@ class TrainerPeer:
         if not self._parameters_ok():
             return
         every = self.config.training.backup_every_epochs
-        if every and new_epoch % every == 0:
-            backup.save_backup(self.config.training.output_dir, self.model, self.optimizer)
+        if every and (new_epoch % every == 0 or self._backup_failed):
+            # a backup that could not be written (full disk) is retried at the next epoch, not in every_epochs
+            written = backup.save_backup(self.config.training.output_dir, self.model, self.optimizer)
+            self._backup_failed = written is None
 
     def _publish(self, stats: EpochStats) -> None:
         if stats.mini_steps == 0 or not math.isfinite(stats.loss_sum):
@@ -311,7 +315,7 @@ class TrainerPeer:
             epoch=stats.epoch,
             samples_per_second=float(stats.samples_per_second()),
             samples_accumulated=stats.samples,
-            loss=float(stats.loss_sum),
+            loss=float(stats.loss_sum) / stats.mini_steps,  # a mean: the schema bounds it, and a sum grows with steps
             mini_steps=stats.mini_steps,
             samples_total=self.samples_total,
             time=float(get_dht_time()),

@@ -110,10 +110,22 @@ def _fresh_progress(dht: hivemind.DHT, run_id: str, stale_after: float) -> Dict[
     }
 
 
+_ARRIVAL_SPAN = 2.0**33
+"""Seconds of DHT time (to the year 2242) mapped onto the final priority's fraction, without wrapping: ``% 1e5``
+wrapped every 28 hours, and a peer arriving just after a wrap outranked the earlier ones."""
+
+
 def _final_priority(epoch: int, arrival: float) -> float:
     """State-sharing priority of a peer at the final barrier: above any training priority (= epoch), and
-    higher for earlier arrival (a peer that finished late may have missed the last all-reduce)."""
-    return epoch + 0.5 + 0.4 * (1.0 - (arrival % 1e5) / 1e5)
+    higher for earlier arrival (a peer that finished late may have missed the last all-reduce). Strictly
+    decreasing in ``arrival`` up to float resolution (0.3 ms at epoch 100, 0.3 s at epoch 1e5); ties are broken
+    by peer ID (``_elected``)."""
+    return epoch + 0.5 + 0.4 * (1.0 - min(max(arrival, 0.0), _ARRIVAL_SPAN) / _ARRIVAL_SPAN)
+
+
+def _elected(candidates: Dict[bytes, float]) -> bytes:
+    """The peer every peer elects from the same priorities: the highest priority, then the highest peer ID."""
+    return max(candidates, key=lambda peer_id: (candidates[peer_id], peer_id))
 
 
 def final_barrier(
@@ -177,7 +189,7 @@ def final_barrier(
     if not candidates:
         logger.warning("Final barrier: no peer could be elected; keeping this peer's parameters")
         return False
-    if max(candidates, key=candidates.get) == own_id:
+    if _elected(candidates) == own_id:
         logger.info("Final barrier: elected; %d other peer(s) take these parameters", len(candidates) - 1)
         while not out_of_time():  # 3a. serve the state until every other peer has it
             progress, priorities = others_now()

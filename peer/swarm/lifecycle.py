@@ -98,6 +98,17 @@ class _SignalHandler:
             # aimed at the main thread so that a wait it is blocked in is interrupted; runs the stop-now branch
             signal.pthread_kill(threading.main_thread().ident, signum)
 
+    def stop_for(self, reason: str) -> None:
+        """Stop the peer from any thread as a first stop signal would (finish the step, then leave), for ``reason``."""
+        if self.shutting_down or self.peer.stop_requested.is_set():
+            return
+        self.peer.request_stop()
+        self._arm_deadline(
+            signal.SIGTERM,
+            STOP_GRACE_SECONDS,
+            f"The current step is still running {STOP_GRACE_SECONDS:.0f} s after {reason}: interrupting it",
+        )
+
     def begin_shutdown(self) -> None:
         self.shutting_down = True
         if self._deadline is not None:
@@ -118,6 +129,10 @@ def run_peer(
     code = 0
     try:
         peer.start()
+        # a dead DHT or p2pd (peer.swarm.watchdog) stops the peer like a signal would, and the exit status says so
+        watchdog = getattr(peer, "watchdog", None)
+        if watchdog is not None:
+            watchdog.add_failure_callback(lambda _reason: signals.stop_for("the swarm was lost"))
         peer.run()
     except setup_errors as e:
         logger.error("%s", e)
@@ -127,6 +142,10 @@ def run_peer(
     finally:
         signals.begin_shutdown()
         peer.shutdown()
+    failure = getattr(getattr(peer, "watchdog", None), "failure", None)
+    if failure is not None:
+        logger.error("Exiting with status 1: %s", failure)
+        code = 1
     events.emit("exiting", code=code)
     events.close_events()
     return exit_despite_stray_threads(code)

@@ -13,6 +13,11 @@ peer reports as the swarm's epoch, so a peer that trained on its own for a while
 reconnected, make everyone else download its state and lose their progress. ``wait_while_isolated``
 pauses the caller while no peer is reachable, for at most ``isolation_grace`` seconds per episode,
 after which the peer trains on alone (the others may simply have left).
+
+The watchdog also notices when the DHT process or its ``p2pd`` daemon dies (killed by the OOM killer, crashed):
+hivemind does not, and the peer would train alone forever while looking healthy. It then sets ``failure`` (a
+message), logs it, emits ``swarm_lost`` and calls the ``on_failure`` callbacks; ``peer.swarm.lifecycle.run_peer``
+uses them to stop the peer and exit with status 1 so that a supervisor (Docker's restart policy) restarts it.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import functools
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import hivemind
+import psutil
 from hivemind.utils.multiaddr import Multiaddr
 
 from peer.swarm import events
@@ -75,6 +81,9 @@ class DHTWatchdog:
         self.last_seen: Dict[str, float] = {}  # peer ID -> monotonic time it was last in the routing table
         self.rejoins = 0  # how many times peers came back after the table had been empty
         self._isolated_since: Optional[float] = None
+        self.failure: Optional[str] = None  # why this peer lost the swarm for good (DHT or p2pd died)
+        self._on_failure: List[Callable[[str], None]] = []
+        self._daemons = _p2p_daemons(dht)  # found now, while they surely run: a dead one is not listed later
         self._connected = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -123,16 +132,51 @@ class DHTWatchdog:
             )
         return not self.isolated and not stop.is_set()
 
+    def add_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` once the DHT or p2pd has died (at once if it already has)."""
+        self._on_failure.append(callback)
+        if self.failure is not None:
+            callback(self.failure)
+
     # ----------------------------------------------------------------------------------------- loop
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period):
-            if not self.dht.is_alive():
+            failure = self._find_failure()
+            if failure is not None:
+                if not self._stop.is_set():  # not a DHT that our own shutdown stopped
+                    self._fail(failure)
                 return
             try:
                 self.check()
             except Exception as e:  # a DHT that is shutting down, a slow DHT process: try again next period
                 logger.debug("DHT watchdog check failed: %r", e)
+
+    def _find_failure(self) -> Optional[str]:
+        if not self.dht.is_alive():
+            return (
+                f"the DHT process (pid {self.dht.pid}) has died, so this peer can no longer reach the swarm; "
+                "exiting so that it can be restarted (check the log above and the system log for an out-of-memory "
+                "kill)"
+            )
+        dead = [proc.pid for proc in self._daemons if not _running(proc)]
+        if dead and len(dead) == len(self._daemons):
+            return (
+                f"the p2pd daemon (pid {', '.join(map(str, dead))}) has died, so this peer can no longer reach the "
+                "swarm; exiting so that it can be restarted (check the system log for an out-of-memory kill)"
+            )
+        return None
+
+    def _fail(self, failure: str) -> None:
+        self.failure = failure
+        logger.error("Lost the swarm: %s", failure)
+        events.emit("swarm_lost", reason=failure)
+        self._connected.set()  # release a caller blocked in wait_while_isolated
+        for callback in self._on_failure:
+            try:
+                callback(failure)
+            except Exception:
+                logger.exception("A callback for the lost swarm failed")
 
     def check(self) -> Tuple[int, List[str]]:
         """One round: look at the routing table, ping missing peers; returns (table size, peers that answered)."""
@@ -177,6 +221,36 @@ class DHTWatchdog:
                 len(set(self.last_seen) | set(self.initial_peer_ids)),
                 self.period,
             )
+
+
+def _p2p_daemons(dht: hivemind.DHT) -> List[psutil.Process]:
+    """The p2pd processes the DHT process started (hivemind runs its daemon as a child of the DHT process)."""
+    try:
+        children = psutil.Process(dht.pid).children(recursive=True)
+    except (
+        psutil.Error,
+        AttributeError,
+        TypeError,
+        ValueError,
+    ):  # no DHT process (a stand-in in unit tests) or already gone
+        return []
+    found = []
+    for child in children:
+        try:
+            if child.name() == "p2pd":
+                found.append(child)
+        except psutil.Error:
+            continue
+    if not found:
+        logger.debug("No p2pd process found under the DHT process %s", dht.pid)
+    return found
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def start_watchdog(dht: hivemind.DHT, args) -> Optional[DHTWatchdog]:
