@@ -4,17 +4,31 @@ Each refresh the aux peer reads ``<run_id>_metrics``: one record per trainer, ho
 numbers for the last epoch it finished. Records are merged into a per-epoch table, so an epoch's
 numbers get completed as slower peers publish theirs, and into a per-peer table (the leaderboard).
 Pure bookkeeping: no DHT, no clock (the caller passes ``now``), so it is unit-tested on plain lists.
+
+Records are signed, but the peer that signs them may be broken or hostile: a record whose ``time`` is ahead of
+``now`` by more than the clock skew, or whose epoch is ahead of the swarm's (the caller's ``max_epoch``, else the
+lower median of the records' epochs), is ignored with a log line, so one peer can neither stay "alive" forever
+nor move the dashboard's epoch and loss. Peers not seen for ``forget_after`` seconds leave the leaderboard (their
+samples stay in the total).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
+import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, Mapping, Optional, Tuple
 
+from peer.swarm.hivemind_seam import MAX_CLOCK_SKEW
 from peer.swarm.records import LocalMetrics
+
+logger = logging.getLogger(__name__)
+
+MAX_EPOCH_LEAD = 3  # a record may be this many epochs ahead of the swarm's consensus (a median: fast honest
+# peers run a few epochs ahead of it between two refreshes)
 
 
 def peer_label(subkey: bytes) -> str:
@@ -27,7 +41,7 @@ class EpochStats:
     """Swarm-wide numbers of one global epoch."""
 
     epoch: int
-    loss: float  # sum of the peers' micro-step losses / sum of their micro-steps (nan if no steps)
+    loss: float  # mean micro-step loss over the peers, weighted by their micro-steps (nan if no steps)
     peers: int  # peers that reported this epoch
     samples: int  # samples the swarm accumulated in this epoch
     samples_per_second: float  # sum of the reporting peers' throughput
@@ -87,12 +101,13 @@ class SwarmSnapshot:
 
 
 def summarize_epoch(epoch: int, records: Iterable[LocalMetrics]) -> EpochStats:
-    """Aggregate the records of one epoch: loss is a micro-step-weighted mean, the rest are sums."""
+    """Aggregate the records of one epoch: loss is a micro-step-weighted mean (each record holds its peer's mean
+    micro-step loss), the rest are sums."""
     records = list(records)
     steps = sum(r.mini_steps for r in records)
     return EpochStats(
         epoch=epoch,
-        loss=sum(r.loss for r in records) / steps if steps else math.nan,
+        loss=sum(r.loss * r.mini_steps for r in records) / steps if steps else math.nan,
         peers=len(records),
         samples=sum(r.samples_accumulated for r in records),
         samples_per_second=sum(r.samples_per_second for r in records),
@@ -116,20 +131,60 @@ class MetricsAggregator:
     """Epochs kept for the loss curve (oldest dropped first)."""
     max_timeline: int = 2_000
     """Refreshes kept for the over-time charts (oldest dropped first)."""
+    forget_after: float = 86_400.0
+    """A peer not seen for this many seconds leaves the leaderboard (its samples stay in samples_total)."""
     _by_epoch: "OrderedDict[int, Dict[str, LocalMetrics]]" = field(default_factory=OrderedDict, repr=False)
     _peers: Dict[str, _PeerTrack] = field(default_factory=dict, repr=False)
     _timeline: Deque[TimePoint] = field(default_factory=deque, repr=False)
+    _forgotten_samples: int = field(default=0, repr=False)
+    _logged: set = field(default_factory=set, repr=False)
 
     def __post_init__(self):
         if not self.alive_window > 0:
             raise ValueError(f"alive_window must be positive seconds, got {self.alive_window}")
         if self.max_epochs < 1 or self.max_timeline < 1:
             raise ValueError("max_epochs and max_timeline must be at least 1")
+        if not self.forget_after >= self.alive_window:
+            raise ValueError(f"forget_after must be at least alive_window, got {self.forget_after}")
 
-    def update(self, records: Mapping[bytes, LocalMetrics], now: float) -> SwarmSnapshot:
-        for subkey, record in records.items():
-            self._merge(peer_label(subkey), record)
+    def update(
+        self, records: Mapping[bytes, LocalMetrics], now: float, swarm_epoch: Optional[int] = None
+    ) -> SwarmSnapshot:
+        """Merge this refresh's records. ``swarm_epoch``: the swarm's epoch as the caller knows it (the progress
+        tracker's consensus); records more than MAX_EPOCH_LEAD epochs ahead of it are ignored. Without it, the
+        lower median of the records' epochs is the reference."""
+        records = {peer_label(subkey): record for subkey, record in records.items()}
+        timely = {}
+        for peer, record in records.items():
+            if record.time > now + MAX_CLOCK_SKEW:
+                self._ignore(peer, "future", f"its time is {record.time - now:.0f} s ahead of this peer's clock")
+            else:
+                timely[peer] = record
+        if swarm_epoch is None and timely:
+            swarm_epoch = statistics.median_low(r.epoch for r in timely.values())
+        for peer, record in timely.items():
+            if swarm_epoch is not None and record.epoch > swarm_epoch + MAX_EPOCH_LEAD:
+                self._ignore(peer, "epoch", f"epoch {record.epoch} is ahead of the swarm's epoch {swarm_epoch}")
+            else:
+                self._merge(peer, record)
+        self._forget(now)
         return self._snapshot(now)
+
+    def _ignore(self, peer: str, reason: str, detail: str) -> None:
+        level = logging.DEBUG if (peer, reason) in self._logged else logging.WARNING
+        self._logged.add((peer, reason))
+        logger.log(
+            level,
+            "Ignoring the metrics record of %s: %s (a broken or hostile peer; if it is yours, check its clock and "
+            "that it runs the same LeanHive version and run_id)",
+            peer,
+            detail,
+        )
+
+    def _forget(self, now: float) -> None:
+        for peer in [p for p, track in self._peers.items() if now - track.latest.time > self.forget_after]:
+            track = self._peers.pop(peer)
+            self._forgotten_samples += track.samples_before_restarts + track.latest.samples_total
 
     def _merge(self, peer: str, record: LocalMetrics) -> None:
         epoch_table = self._by_epoch.get(record.epoch)
@@ -160,7 +215,7 @@ class MetricsAggregator:
                     epoch=r.epoch,
                     samples_total=track.samples_before_restarts + r.samples_total,
                     samples_per_second=r.samples_per_second if alive else 0.0,
-                    loss=r.loss / r.mini_steps if r.mini_steps else None,
+                    loss=r.loss if r.mini_steps else None,
                     last_seen=r.time,
                     alive=alive,
                 )
@@ -182,7 +237,7 @@ class MetricsAggregator:
             alive_peers=alive_peers,
             loss=with_steps[-1].loss if with_steps else None,
             samples_per_second=throughput,
-            samples_total=sum(p.samples_total for p in peers),
+            samples_total=self._forgotten_samples + sum(p.samples_total for p in peers),
             peers=tuple(peers),
             epochs=epochs,
             timeline=tuple(self._timeline),

@@ -80,7 +80,7 @@ class AuxMonitor:
     # ------------------------------------------------------------------ one refresh
     def refresh(self) -> None:
         records = fetch_metrics(self.dht, self.run_id, timeout=max(5.0, self.args.refresh_period))
-        snapshot = self.aggregator.update(records, now=get_dht_time())
+        snapshot = self.aggregator.update(records, now=get_dht_time(), swarm_epoch=self._tracked_epoch())
         self.holder.update(swarm=snapshot)
         if snapshot.global_epoch is not None:
             # one line per new epoch at INFO; every refresh at DEBUG
@@ -125,6 +125,12 @@ class AuxMonitor:
                 self._checkpoint(loss=snapshot.loss)
             if want_eval and is_due(held, self.last_eval_epoch, self.args.eval_every):
                 self._evaluate()
+
+    def _tracked_epoch(self) -> Optional[int]:
+        """The progress tracker's epoch, a consensus of the trainers' progress records that no single peer moves;
+        None while no trainer reports progress (the metrics records' median is the reference then)."""
+        tracker = self.replica.optimizer.tracker
+        return self.replica.swarm_epoch if tracker.global_progress.num_peers > 0 else None
 
     def _serve_checkpoint_when_empty(self) -> None:
         """With no trainer online, an assisting aux offers its newest verified checkpoint to joining trainers.

@@ -18,7 +18,7 @@ import hivemind
 import torch
 
 from aux_monitor.checkpoints import TrainingState
-from peer.swarm.hivemind_seam import sync_offloaded_parameters
+from peer.swarm.hivemind_seam import LeanHiveProgressTracker, download_epoch_bound, sync_offloaded_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,13 @@ class SwarmReplica:
 
     @property
     def swarm_epoch(self) -> int:
-        """The swarm's global epoch as hivemind's progress tracker sees it."""
-        return self.optimizer.tracker.global_epoch
+        """The epoch the swarm's trainers agree on (the median of their progress records, which no single peer
+        moves), or hivemind's global epoch while nobody reports. Not the maximum: states are served at the epoch
+        most trainers are at, so a download for a checkpoint aimed at the fastest trainer's epoch would be
+        repeated at every refresh."""
+        tracker = self.optimizer.tracker
+        consensus = getattr(tracker, "consensus_epoch", None)
+        return tracker.global_epoch if consensus is None else consensus
 
     def download(self) -> Optional[int]:
         """Load the newest state a trainer offers; returns its epoch, or None if no state arrived.
@@ -46,11 +51,17 @@ class SwarmReplica:
         """
         with self._lock:
             averager = self.optimizer.state_averager
-            averager.load_state_from_peers(timeout=self.load_state_timeout)
+            # a state beyond the swarm's consensus (a hostile label of 10**12) is refused before it is applied
+            bound = download_epoch_bound(self.optimizer.tracker, self.held_epoch or 0)
+            averager.load_state_from_peers(timeout=self.load_state_timeout, max_epoch=bound)
             if not averager.state_arrived():
                 return None
             epoch = averager.local_epoch
             self._adopt_epoch(epoch)
+            tracker = self.optimizer.tracker
+            if isinstance(tracker, LeanHiveProgressTracker):
+                with tracker.pause_updates():  # a peer that claimed far more than any served state is ignored
+                    tracker.refute_claims_above(epoch)
             return epoch
 
     def restore(self, state: TrainingState) -> None:

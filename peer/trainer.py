@@ -315,7 +315,7 @@ class TrainerPeer:
             epoch=stats.epoch,
             samples_per_second=float(stats.samples_per_second()),
             samples_accumulated=stats.samples,
-            loss=float(stats.loss_sum),
+            loss=float(stats.loss_sum) / stats.mini_steps,  # a mean: the schema bounds it, and a sum grows with steps
             mini_steps=stats.mini_steps,
             samples_total=self.samples_total,
             time=float(get_dht_time()),

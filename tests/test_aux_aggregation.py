@@ -11,9 +11,10 @@ A, B, C = b"[owner:key-a]", b"[owner:key-b]", b"[owner:key-c]"
 
 
 def rec(epoch, loss, steps, samples, sps, total, t):
+    """``loss``: the epoch's sum of micro-step losses (the numbers below); the record carries their mean."""
     return LocalMetrics(
         epoch=epoch,
-        loss=float(loss),
+        loss=float(loss) / steps if steps else float(loss),
         mini_steps=steps,
         samples_accumulated=samples,
         samples_per_second=float(sps),

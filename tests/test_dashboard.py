@@ -19,7 +19,7 @@ def sample_state() -> MonitorState:
         records = {
             b"[owner:a]": LocalMetrics(
                 epoch=epoch,
-                loss=4.0 * (6 - epoch),
+                loss=1.0 * (6 - epoch),  # records carry the mean micro-step loss
                 mini_steps=4,
                 samples_accumulated=32,
                 samples_per_second=20.25,

@@ -33,7 +33,10 @@ class CollaborationArguments:
     """Seconds to wait for a peer's reply in matchmaking; must be below matchmaking_time (None: the smaller
     of 3 s and 0.8 x matchmaking_time)."""
     load_state_timeout: float = 120.0
-    """Seconds to wait for one download of the swarm's state (parameters + optimizer statistics)."""
+    """Seconds a peer may take to start sending its state (parameters + optimizer statistics: its snapshot waits
+    for its optimizer step). The rest of the download is bounded by the state's size, not by this: it may go on
+    while each chunk arrives within 20 s, up to the size at 2 Mbit/s (a tenth of a 20 Mbit/s link; see
+    peer.swarm.hivemind_seam.averaging.state_download_seconds), so any preset's state fits a slow link."""
     delay_optimizer_step: bool = False
     """Run the optimizer step in the background and apply it at the next step (one step of staleness)."""
     delay_grad_averaging: bool = False

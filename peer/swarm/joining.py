@@ -8,6 +8,7 @@ state-sharing records).
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from typing import Dict, Optional, Tuple
@@ -17,7 +18,7 @@ from hivemind.utils import get_dht_time
 
 from peer.swarm import events
 from peer.swarm.config import CollaborationArguments
-from peer.swarm.hivemind_seam import LeanHiveOptimizer
+from peer.swarm.hivemind_seam import MAX_CLOCK_SKEW, LeanHiveOptimizer
 from peer.swarm.records import read_progress, read_state_sharing
 
 logger = logging.getLogger(__name__)
@@ -110,10 +111,22 @@ def _fresh_progress(dht: hivemind.DHT, run_id: str, stale_after: float) -> Dict[
     }
 
 
+_ARRIVAL_SPAN = 2.0**33
+"""Seconds of DHT time (to the year 2242) mapped onto the final priority's fraction, without wrapping: ``% 1e5``
+wrapped every 28 hours, and a peer arriving just after a wrap outranked the earlier ones."""
+
+
 def _final_priority(epoch: int, arrival: float) -> float:
     """State-sharing priority of a peer at the final barrier: above any training priority (= epoch), and
-    higher for earlier arrival (a peer that finished late may have missed the last all-reduce)."""
-    return epoch + 0.5 + 0.4 * (1.0 - (arrival % 1e5) / 1e5)
+    higher for earlier arrival (a peer that finished late may have missed the last all-reduce). Strictly
+    decreasing in ``arrival`` up to float resolution (0.3 ms at epoch 100, 0.3 s at epoch 1e5); ties are broken
+    by peer ID (``_elected``)."""
+    return epoch + 0.5 + 0.4 * (1.0 - min(max(arrival, 0.0), _ARRIVAL_SPAN) / _ARRIVAL_SPAN)
+
+
+def _elected(candidates: Dict[bytes, float]) -> bytes:
+    """The peer every peer elects from the same priorities: the highest priority, then the highest peer ID."""
+    return max(candidates, key=lambda peer_id: (candidates[peer_id], peer_id))
 
 
 def final_barrier(
@@ -177,7 +190,7 @@ def final_barrier(
     if not candidates:
         logger.warning("Final barrier: no peer could be elected; keeping this peer's parameters")
         return False
-    if max(candidates, key=candidates.get) == own_id:
+    if _elected(candidates) == own_id:
         logger.info("Final barrier: elected; %d other peer(s) take these parameters", len(candidates) - 1)
         while not out_of_time():  # 3a. serve the state until every other peer has it
             progress, priorities = others_now()
@@ -205,9 +218,17 @@ def final_barrier(
 
 
 def swarm_epoch(dht: hivemind.DHT, run_id: str, timeout: float = 10.0) -> Optional[int]:
-    """The largest epoch a (non-client) peer reports now, read fresh from the DHT (None if nobody reports)."""
-    epochs = [record.epoch for record in read_progress(dht, run_id, timeout=timeout) if not record.client_mode]
-    return max(epochs) if epochs else None
+    """The epoch the (non-client) peers agree on now, read fresh from the DHT (None if nobody reports).
+
+    The lower median, not the maximum: one signed record claiming epoch 10**12 (or a clock far ahead) must not
+    make this peer wait for an epoch that never comes. Records dated beyond the clock skew are ignored."""
+    now = get_dht_time()
+    epochs = [
+        record.epoch
+        for record in read_progress(dht, run_id, timeout=timeout)
+        if not record.client_mode and record.time <= now + MAX_CLOCK_SKEW
+    ]
+    return statistics.median_low(epochs) if epochs else None
 
 
 def resync_with_swarm(optimizer: LeanHiveOptimizer, attempts: int = 3, epoch_timeout: float = 60.0) -> bool:

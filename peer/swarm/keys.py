@@ -6,7 +6,11 @@
   declarations (subkey: peer ID bytes, value: the priority downloaders sort by, None while not sharing);
 - ``<run_id>_grad_averager``: the gradient averager's prefix (hivemind.Optimizer derives it; matchmaking keys
   below it).
+- ``<prefix>.0b<bits>`` for both averagers' prefixes: hivemind's matchmaking keys (subkey: peer ID bytes, value:
+  whether the peer is looking for a group); LeanHive never sets group bits, so ``<prefix>.0b`` is the one in use.
 """
+
+MAX_GROUP_BITS = 4  # matchmaking keys are covered up to this many group bits (LeanHive uses none)
 
 
 def metrics_key(run_id: str) -> str:
@@ -23,3 +27,19 @@ def state_averager_prefix(run_id: str) -> str:
 
 def state_sharing_key(run_id: str) -> str:
     return f"{state_averager_prefix(run_id)}.all_averagers"
+
+
+def grad_averager_prefix(run_id: str) -> str:
+    return f"{run_id}_grad_averager"
+
+
+def averager_prefixes(run_id: str) -> tuple[str, str]:
+    return state_averager_prefix(run_id), grad_averager_prefix(run_id)
+
+
+def matchmaking_keys(prefix: str, max_bits: int = MAX_GROUP_BITS) -> list[str]:
+    """``<prefix>.0b`` followed by every group-bit string up to ``max_bits`` long (hivemind's GroupKeyManager)."""
+    keys = [f"{prefix}.0b"]
+    for length in range(1, max_bits + 1):
+        keys += [f"{prefix}.0b{index:0{length}b}" for index in range(2**length)]
+    return keys

@@ -22,8 +22,8 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.swarm.hivemind_seam import RecordSizeValidator
-from peer.swarm.keys import metrics_key, progress_key, state_sharing_key
+from peer.swarm.hivemind_seam import KeyRule, RecordSizeValidator, SwarmKeyValidator
+from peer.swarm.keys import averager_prefixes, matchmaking_keys, metrics_key, progress_key, state_sharing_key
 
 __all__ = [
     "LocalMetrics",
@@ -37,11 +37,16 @@ __all__ = [
     "read_progress",
     "read_state_sharing",
     "state_sharing_key",
+    "swarm_key_rules",
 ]
 
 logger = logging.getLogger(__name__)
 
 METRICS_EXPIRATION = 600.0  # seconds a peer's record stays visible after its last update
+# how far ahead a record may expire under each key, generously above what honest peers write: hivemind's progress
+# records live 60 s, state-sharing declarations 30 s, matchmaking declarations until the averaging deadline
+PROGRESS_MAX_TTL = 300.0
+DECLARATION_MAX_TTL = 600.0
 
 
 class LocalMetrics(pydantic.BaseModel):
@@ -50,8 +55,8 @@ class LocalMetrics(pydantic.BaseModel):
     epoch: pydantic.conint(ge=0, strict=True)  # global epoch these numbers belong to
     samples_per_second: pydantic.confloat(ge=0.0, le=1e9, strict=True)
     samples_accumulated: pydantic.conint(ge=0, strict=True)  # samples this peer contributed in the epoch
-    loss: pydantic.confloat(ge=0.0, le=1e6, strict=True)  # sum of micro-step losses in the epoch
-    mini_steps: pydantic.conint(ge=0, strict=True)  # number of micro-steps summed into loss
+    loss: pydantic.confloat(ge=0.0, le=1e6, strict=True)  # mean micro-step loss in the epoch
+    mini_steps: pydantic.conint(ge=0, strict=True)  # number of micro-steps averaged into loss
     samples_total: pydantic.conint(ge=0, strict=True) = 0  # all samples this peer contributed so far
     time: pydantic.confloat(ge=0.0, strict=True) = 0.0  # DHT time of the report
 
@@ -69,15 +74,36 @@ class MetricsSchema(pydantic.BaseModel):
     metrics: Dict[BytesWithPublicKey, LocalMetrics]
 
 
+def swarm_key_rules(run_id: str) -> Dict[str, KeyRule]:
+    """Every key the swarm reads, with the form its entries must have and how far ahead they may expire."""
+    rules = {
+        metrics_key(run_id): KeyRule(metrics_key(run_id), "signed", METRICS_EXPIRATION),
+        progress_key(run_id): KeyRule(progress_key(run_id), "signed", PROGRESS_MAX_TTL),
+    }
+    for prefix in averager_prefixes(run_id):
+        sharing = f"{prefix}.all_averagers"
+        rules[sharing] = KeyRule(sharing, "peer_priority", DECLARATION_MAX_TTL)
+        for key in matchmaking_keys(prefix):
+            rules[key] = KeyRule(key, "peer_flag", DECLARATION_MAX_TTL)
+    return rules
+
+
 def make_validators(
     run_id: str, private_key: RSAPrivateKey, extra: Sequence[RecordValidatorBase] = ()
 ) -> tuple[list, bytes]:
-    """Validators every peer of the run installs: record size limit, signature check, schema of the metrics key.
+    """Validators every peer of the run installs: record size limit, the form and lifetime of every key the swarm
+    reads (no squatting), signature check, schema of the metrics key.
 
     Returns (validators, local_public_key); the public key is the subkey this peer signs records with.
     """
     signature_validator = RSASignatureValidator(private_key)
-    validators = [RecordSizeValidator(), SchemaValidator(MetricsSchema, prefix=run_id), signature_validator, *extra]
+    validators = [
+        RecordSizeValidator(),
+        SwarmKeyValidator(swarm_key_rules(run_id)),
+        SchemaValidator(MetricsSchema, prefix=run_id),
+        signature_validator,
+        *extra,
+    ]
     return validators, signature_validator.local_public_key
 
 

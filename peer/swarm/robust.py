@@ -14,11 +14,23 @@ Here the reducer keeps every sender's part and aggregates them with a centered c
 When nothing is clipped this is exactly the weighted mean, so honest swarms average as before.
 A contribution can move the result by at most ``clip_factor`` x median deviation / group size.
 
+Sample weights come from the senders and are bounded too (``bounded_weights``): NaN or negative weights count as 0,
+and no weight may exceed ``MAX_WEIGHT_RATIO`` x the lower median weight (an ``inf`` or 1e300 weight used to turn
+every shard into NaN, which receivers refuse: averaging was silently off). A part whose shape is not the shard's is
+dropped by the reducer (hivemind's sum broadcast a 1-element part into the whole shard; a stacked median failed
+and the round failed for everyone).
+
+With two contributors the median cannot tell the faulty one, so each receiver bounds what the other can do to it
+(``bound_two_peer_update``): the averaged update of a tensor may move it by at most ``TWO_PEER_PULL`` x the norm of
+the receiver's own contribution, so the result never points against it (a peer sending -1e3 x its gradient can
+cancel this peer's step at worst, not reverse it). Honest pairs are not bounded unless their gradients differ by
+more than twice the receiver's own norm.
+
 Threat model (honest about the limits): the bound holds while fewer than half of the peers in a round
 are faulty (with two peers, one of which is faulty, no rule can tell which one is right); a hostile
 peer that reduces a shard can still return wrong finite values for that shard (1/n of the vector),
-only non-finite results are refused on receipt (the local values are kept); sample-count weights are
-trusted.
+only non-finite results are refused on receipt (the local values are kept); a sample weight can claim at
+most ``MAX_WEIGHT_RATIO`` x the lower median weight of its round.
 
 The hivemind side (the reducer that keeps every part, the all-reduce runner) is in peer.swarm.hivemind_seam.
 """
@@ -26,13 +38,68 @@ The hivemind side (the reducer that keeps every part, the all-reduce runner) is 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+import math
+from typing import List, Sequence
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CLIP_FACTOR = 4.0
+MAX_WEIGHT_RATIO = 100.0
+"""No sender's weight counts for more than this many times the lower median weight of the round (honest peers
+differ in samples per epoch, rarely by 100x; a hostile one may claim inf)."""
+TWO_PEER_PULL = 8.0
+"""With two contributors, the averaged update may move a tensor by at most this x the receiver's own norm (and
+never so that the result points against the receiver's own contribution). Loose on purpose: the two peers of an
+honest pair apply the same average only when neither bound triggers, and two honest gradients of noisy
+micro-batches can differ by more than their norms (a bound of 1x fired on most honest rounds)."""
+
+
+def bounded_weights(weights: Sequence[float]) -> List[float]:
+    """Sender-claimed weights made safe to average with: NaN/negative -> 0, each capped at ``MAX_WEIGHT_RATIO`` x
+    the lower median positive weight, and rescaled so that the lower median is 1 (sums stay finite in float32)."""
+    positive = sorted(w for w in weights if math.isfinite(w) and w > 0)
+    if not positive:
+        return [0.0 for _ in weights]
+    reference = positive[(len(positive) - 1) // 2]
+    bounded = [min(w / reference, MAX_WEIGHT_RATIO) if w > 0 else 0.0 for w in weights]  # NaN > 0 is False
+    changed = sum(1 for w in weights if not (w >= 0 and w / reference <= MAX_WEIGHT_RATIO))
+    if changed:
+        logger.warning(
+            "Averaging: bounded %d of %d sample weights (NaN/negative/inf or over %gx the median: %s)",
+            changed,
+            len(weights),
+            MAX_WEIGHT_RATIO,
+            ", ".join(f"{w:.3g}" for w in weights),
+        )
+    return bounded
+
+
+def bound_two_peer_update(update: torch.Tensor, own: torch.Tensor) -> bool:
+    """Bound ``update`` (average - own, in place) for a round of two contributors, where the median rule cannot
+    tell which one is faulty; True if it changed.
+
+    1. The result (own + update) never points against ``own``: its component against ``own`` is removed (a peer
+       sending -1e3 x its gradient can cancel our update, not reverse it).
+    2. ||update|| <= ``TWO_PEER_PULL`` x ||own|| (scaling down keeps 1: <own + s u, own> >= (1 - s) ||own||^2)."""
+    own = own.to(update.dtype)
+    own_sq = float(torch.dot(own.flatten(), own.flatten()))
+    changed = False
+    if own_sq == 0.0:  # nothing of ours to measure against: keep our (zero) contribution
+        changed = bool(update.any())
+        update.zero_()
+        return changed
+    along = own_sq + float(torch.dot(update.flatten(), own.flatten()))  # <own + update, own>
+    if along < 0:
+        update.sub_(own, alpha=along / own_sq)
+        changed = True
+    bound = TWO_PEER_PULL * math.sqrt(own_sq)
+    norm = float(update.norm())
+    if norm > bound:
+        update.mul_(bound / norm)
+        changed = True
+    return changed
 
 
 def _median(stacked: torch.Tensor) -> torch.Tensor:
@@ -43,18 +110,20 @@ def _median(stacked: torch.Tensor) -> torch.Tensor:
 
 
 def bounded_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], clip_factor: float) -> torch.Tensor:
-    """Weighted mean of ``parts`` with NaN/inf parts dropped and each part's deviation from the median bounded.
+    """Weighted mean of ``parts`` with NaN/inf parts dropped, weights bounded (``bounded_weights``) and each part's
+    deviation from the median bounded.
 
     ``clip_factor`` <= 0 gives the plain weighted mean (no bound, non-finite parts still dropped).
-    All parts non-finite: the plain mean (NaN), which receivers refuse (they keep their local values).
+    All parts non-finite: NaN, which receivers refuse (they keep their local values).
     """
+    weights = bounded_weights(weights)
     finite = [(part, weight) for part, weight in zip(parts, weights) if bool(torch.isfinite(part).all())]
     if len(finite) < len(parts):
         logger.warning(
             "Averaging: dropped %d of %d contributions with NaN/inf values", len(parts) - len(finite), len(parts)
         )
     if not finite:
-        return sum(p * w for p, w in zip(parts, weights)) / max(sum(weights), 1e-12)
+        return torch.full_like(parts[0], float("nan"))
     # zero-weight parts (a peer that just loaded the state tags along with weight 0) add nothing to the mean;
     # left in, they would drag the median towards their stale values and get honest parts clipped
     kept = [(part, weight) for part, weight in finite if weight > 0] or finite

@@ -34,6 +34,18 @@ class FaultyGradientAverager(LeanHiveGradientAverager):
         super()._on_averaged_tensor(received)
         injection.maybe_die_in_allreduce(self, received)
 
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        if "weight" in kwargs:
+            kwargs["weight"] = injection.weight_to_send(kwargs["weight"])
+        injection.maybe_send_bad_shapes()
+        sent = injection.snapshot_sent(tensors)
+        try:
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        except BaseException as e:
+            injection.record_averaging(sent, tensors, error=e)
+            raise
+        injection.record_averaging(sent, tensors)
+
 
 # hivemind names an averager's RPC handlers after its class ("<prefix>::<class name>.rpc_join_group", ...): with
 # the production name a faulty peer averages with peers started from run_trainer.py, as it did when the fault

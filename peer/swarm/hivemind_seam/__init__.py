@@ -10,6 +10,9 @@ pin. The overrides, and why each exists:
 DHT records and authorization
 - ``RecordSizeValidator(RecordValidatorBase)``: refuses oversized records under any key (schemas only cover the
   keys they know), so a hostile peer cannot fill honest peers' memory.
+- ``SwarmKeyValidator(RecordValidatorBase)``: every key the swarm reads takes only per-peer entries of the key's
+  form that expire within a bound: hivemind lets a plain value with a later expiration replace a whole dictionary
+  (key squatting). Reads ``DHTProtocol.IS_REGULAR_VALUE`` (the serialized "no subkey" marker).
 - ``AllowlistAuthorizer(TokenAuthorizerBase)``: hivemind's signed-request protocol with an allowlist of keys
   instead of an authority (``--authorized_keys``).
 - ``authorized_peer_ids``: reads the authorizer back from the private ``DHT.kwargs``.
@@ -27,16 +30,24 @@ Averaging (both averagers of hivemind.Optimizer)
   ``_PolicyAveraging`` as their first base, which applies it (one level, nothing injected below hivemind).
 - ``add_p2p_handlers`` (override, ``ServicerBase``): with an allowlist, registers ``_AllowlistServicer``.
 - ``_run_allreduce_inplace_`` (override of a private ``DecentralizedAverager`` method): runs
-  ``BoundedAllReduceRunner`` (robust aggregation, see peer.swarm.robust) and refuses non-finite averaged values.
+  ``BoundedAllReduceRunner`` (robust aggregation, see peer.swarm.robust), refuses non-finite averaged values and,
+  for gradients in a two-contributor round, bounds each update by this peer's own norm (reads the runner's
+  ``sender_peer_ids`` and ``weight``).
 - ``BoundedPartReducer(TensorPartReducer)`` / ``BoundedAllReduceRunner(AllReduceRunner)``: the reducer keeps every
   sender's part and aggregates with ``bounded_mean`` instead of a running sum (replaces the private
-  ``accumulator`` and ``tensor_part_reducer``).
+  ``accumulator`` and ``tensor_part_reducer``); a part of the wrong shape is dropped there.
 - ``__del__`` (override): hivemind's destructors assume a finished constructor; a stop signal while joining leaves a
   half-built object whose ``__del__`` raises AttributeError at exit. That error alone is dropped.
 
 State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
-- ``_load_state_from_peers`` (override of a private method, runs in the averager process): a downloaded state with
-  NaN/inf values is not handed over (``AveragingPolicy.finite_downloads_only``).
+- ``_load_state_from_peers`` (override of a private method, runs in the averager process; replaces hivemind's):
+  tries the peers that declared their state in turn (at most ``MAX_STATE_CANDIDATES``, priority capped at the epoch
+  bound + 1), each within a time derived from the state's size (first chunk within load_state_timeout, then
+  ``STATE_CHUNK_TIMEOUT`` per chunk; hivemind's 3 s per-request timeout cut real downloads) and at most the expected
+  size; hands over only a state that passed ``check_downloaded_state`` (structure, shapes, dtypes, finiteness,
+  epoch bound, optimizer hyper-parameters and 8-bit state sizes), so nothing is half applied. It uses the private
+  ``_matchmaking`` (the declarations' key), ``serializer``, ``next_chunk_timeout``; the host sends the epoch bound
+  through the private ``_outer_pipe``.
 - ``load_state_from_peers`` / ``_update_scheduler`` (private) / ``step`` / ``get_current_state``: tell whether a
   download was applied (hivemind returns quietly when nobody answers), label the served state with the epoch its
   parameters are really at, snapshot it under ``lock_optimizer`` and refuse to serve NaN/inf.
@@ -48,11 +59,22 @@ Gradient averager (``LeanHiveGradientAverager(GradientAverager)``)
 Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
 - ``_make_state_averager`` (private factory): builds ``LeanHiveStateAverager`` with our policy.
 - ``_make_progress_tracker`` (private factory): builds ``LeanHiveProgressTracker``.
+- ``load_state_from_peers``: hivemind's with a bounded number of attempts (hivemind retried ``while True``), the
+  epoch bound (``download_epoch_bound``) passed to the state averager, a refutation of epoch claims the downloaded
+  state does not reach (``LeanHiveProgressTracker.refute_claims_above``), and without the gradient averager's
+  download (hivemind downloaded that state and discarded it). Uses the private ``scheduled_grads`` /
+  ``_tag_along_with_zero_weight``.
 
 Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
+- ``_parse_swarm_progress_data`` (private): bounds what one signed record may claim before hivemind's arithmetic
+  (a lead over the median of the peers' epochs is followed only until a state download refutes it, a throughput
+  cap, ``time`` within the clock skew); writes hivemind's ``global_progress`` again after a refutation; reads the
+  private ``_local_public_key`` (its own record) and ``metadata_expiration``/``performance_ema``.
 - ``run``: hivemind's thread body, then the cancellation of the helper tasks hivemind leaves pending at shutdown
   (Python printed "Task was destroyed but it is pending!" at exit).
 - ``load_state_dict``: tells the state averager that its parameters were replaced.
+- ``download_epoch_bound``: the highest epoch a downloaded state may carry (the tracker's median consensus +
+  a small lead); trainers and the aux replica both use it.
 - ``sync_offloaded_parameters``: after parameters change in place, copy them into hivemind's offloaded copies;
   calls the private ``_load_local_tensors_into_averager_`` and ``_update_scheduler``, as hivemind does after a
   download.
@@ -76,12 +98,16 @@ from peer.swarm.hivemind_seam.averaging import (
     LeanHiveGradientAverager,
     LeanHiveOptimizer,
     LeanHiveStateAverager,
+    download_epoch_bound,
     sync_offloaded_parameters,
 )
 from peer.swarm.hivemind_seam.dht import (
+    MAX_CLOCK_SKEW,
     MAX_RECORD_BYTES,
     AllowlistAuthorizer,
+    KeyRule,
     RecordSizeValidator,
+    SwarmKeyValidator,
     authorized_peer_ids,
     ping_peers,
     private_key_from_der,
@@ -90,12 +116,14 @@ from peer.swarm.hivemind_seam.dht import (
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker
 
 __all__ = [
+    "MAX_CLOCK_SKEW",
     "MAX_RECORD_BYTES",
     "OVERRIDDEN_METHODS",
     "PINNED_HIVEMIND_VERSION",
     "PRIVATE_ATTRIBUTES",
     "AllowlistAuthorizer",
     "AveragingPolicy",
+    "KeyRule",
     "BoundedAllReduceRunner",
     "BoundedPartReducer",
     "LeanHiveGradientAverager",
@@ -103,7 +131,9 @@ __all__ = [
     "LeanHiveProgressTracker",
     "LeanHiveStateAverager",
     "RecordSizeValidator",
+    "SwarmKeyValidator",
     "authorized_peer_ids",
+    "download_epoch_bound",
     "ping_peers",
     "private_key_from_der",
     "routing_table_peers",
@@ -166,7 +196,14 @@ OVERRIDDEN_METHODS = [
     (hivemind.Optimizer, "_make_state_averager", "(self, **kwargs) -> 'TrainingStateAverager'"),
     (hivemind.Optimizer, "_make_progress_tracker", "(self, target_batch_size: 'int', **kwargs) -> 'ProgressTracker'"),
     (ProgressTracker, "run", "(self)"),
+    (
+        ProgressTracker,
+        "_parse_swarm_progress_data",
+        "(self, metadata: hivemind.optim.progress_tracker.TrainingProgressSchema) -> "
+        "hivemind.optim.progress_tracker.GlobalTrainingProgress",
+    ),
     (hivemind.Optimizer, "load_state_dict", "(self, state_dict: 'dict')"),
+    (hivemind.Optimizer, "load_state_from_peers", "(self, **kwargs)"),
     (hivemind.Optimizer, "__del__", "(self)"),
 ]
 # private (or internal) hivemind attributes used here: (module, class name, attribute), checked by the same test
@@ -190,5 +227,21 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.dht.protocol", "DHTProtocol", "call_ping"),
     ("hivemind.dht.routing", "RoutingTable", "uid_to_peer_id"),
     ("hivemind.optim.state_averager", "TrainingStateAverager", "main_parameters"),
+    ("hivemind.optim.progress_tracker", "ProgressTracker", "_local_public_key"),
+    ("hivemind.optim.progress_tracker", "ProgressTracker", "metadata_expiration"),
+    ("hivemind.optim.progress_tracker", "ProgressTracker", "performance_ema"),
+    ("hivemind.dht.protocol", "DHTProtocol", "IS_REGULAR_VALUE"),
     ("hivemind.optim.state_averager", "TrainingStateAverager", "reuse_tensors"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "_matchmaking"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "_outer_pipe"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "next_chunk_timeout"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "serializer"),
+    ("hivemind.optim.state_averager", "TrainingStateAverager", "extra_tensors"),
+    ("hivemind.optim.optimizer", "Optimizer", "scheduled_grads"),
+    ("hivemind.optim.optimizer", "Optimizer", "_tag_along_with_zero_weight"),
+    ("hivemind.optim.optimizer", "Optimizer", "use_gradient_averaging"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "sender_peer_ids"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "weight"),
+    # patched by the tests' fault entry point (a peer that sends parts of the wrong shape)
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "_generate_input_for_peer"),
 ]

@@ -3,23 +3,39 @@ See the package docstring for why each exists."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import random
+import time
 from dataclasses import dataclass
-from typing import FrozenSet, List, Optional, Sequence
+from itertools import chain
+from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 import hivemind
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
-from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.utils import get_dht_time
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.nested import nested_flatten, nested_pack
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker
 from peer.swarm.keys import state_averager_prefix
-from peer.swarm.robust import DEFAULT_CLIP_FACTOR, bounded_mean, keep_local_where_not_finite
+from peer.swarm.robust import (
+    DEFAULT_CLIP_FACTOR,
+    bound_two_peer_update,
+    bounded_mean,
+    keep_local_where_not_finite,
+)
 from peer.swarm.tensors import all_finite
 
 logger = logging.getLogger(__name__)
@@ -50,23 +66,34 @@ class BoundedPartReducer(TensorPartReducer):
     def reset_accumulators(self):
         super().reset_accumulators()
         if not self.finished.is_set():
-            self.accumulator = _PartCollector(self.clip_factor)
+            self.accumulator = _PartCollector(self.clip_factor, self.part_shapes[self.current_part_index])
 
 
 class _PartCollector:
     """Takes the place of TensorPartReducer's running sum: keeps every sender's part, aggregates in ``div_``."""
 
-    def __init__(self, clip_factor: float):
-        self.clip_factor = clip_factor
+    def __init__(self, clip_factor: float, shape: torch.Size):
+        self.clip_factor, self.shape = clip_factor, torch.Size(shape)
         self.parts: List[torch.Tensor] = []
         self.weights: List[float] = []
 
     def add_(self, tensor: torch.Tensor, alpha: float = 1.0) -> "_PartCollector":
+        if tensor.shape != self.shape:
+            # dropped here, still counted by the reducer as received: the round goes on for everyone else (only
+            # the sender's own result fails to apply, so only it can be banned)
+            logger.warning(
+                "Averaging: dropped a part of shape %s (this shard's part has shape %s): a broken or hostile peer",
+                tuple(tensor.shape),
+                tuple(self.shape),
+            )
+            return self
         self.parts.append(tensor.detach().to(torch.float32, copy=True))
         self.weights.append(float(alpha))
         return self
 
     def div_(self, _denominator: float) -> torch.Tensor:
+        if not self.parts:  # nothing usable: NaN, which receivers refuse (they keep their local values)
+            return torch.full(self.shape, float("nan"))
         return bounded_mean(self.parts, self.weights, self.clip_factor)
 
 
@@ -155,19 +182,34 @@ class _PolicyAveraging:
         self._running_groups[group_id].set_result(runner)
 
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            received = refused = 0
+            received = refused = bounded = 0
+            # two contributors: the median cannot tell the faulty one, so bound what the other can do to us
+            two_peers = self._bound_two_peer_rounds and self.policy.contribution_clip > 0
+            two_peers = two_peers and len(runner.sender_peer_ids) == 2 and runner.weight > 0
             async for tensor, update in azip(as_aiter(*tensors), runner):
                 received += 1
                 self._on_averaged_tensor(received)
                 refused += keep_local_where_not_finite(update)
+                if two_peers:
+                    bounded += bound_two_peer_update(update, tensor)
                 tensor.add_(update, alpha=self._averaging_alpha)
                 self.last_updated = get_dht_time()
                 self._state_updated.set()
             if refused:
                 logger.warning("Averaging: received %d NaN/inf averaged values; kept the local values there", refused)
+            if bounded:
+                logger.warning(
+                    "Averaging: bounded the update of %d of %d tensors by this peer's own part (two-peer round)",
+                    bounded,
+                    received,
+                )
         else:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
+
+    _bound_two_peer_rounds = False
+    """Bound each tensor's update in a two-contributor round (``bound_two_peer_update``): gradients only (a
+    parameter or statistic tensor may legitimately be all zeros, which would freeze it)."""
 
     def _on_averaged_tensor(self, received: int) -> None:
         """Called in the averager process for each averaged tensor received (counted from 1 in each round); an
@@ -178,18 +220,71 @@ def _finite_floats(tensors) -> bool:
     return all_finite(t for t in tensors if t.is_floating_point())  # 8-bit codes are always finite
 
 
-class _Outcome:
-    """Stands in for the MPFuture hivemind's download loop reports to, so the result can be checked first."""
+DOWNLOAD_EPOCH_LEAD = 4
+"""A downloaded state may be at most this many epochs beyond the swarm's consensus (the larger of the local and the
+progress tracker's epoch): a label of 10**12 hung the scheduler loop for weeks or ended the run at max_epochs."""
+MAX_STATE_CANDIDATES = 3
+"""Peers a state download tries in turn (highest capped priority first) before giving up for this attempt."""
+STATE_CHUNK_TIMEOUT = 20.0
+"""Once a peer started sending its state, the longest wait for each next chunk (hivemind used request_timeout,
+3 s at most, for every chunk including the first: the server's snapshot alone can take longer)."""
+MIN_STATE_RATE = 250_000.0
+"""Bytes/s below which a download is given up: a 20 Mbit/s link (2.5 MB/s) at a tenth of its speed. With the
+state's size it bounds a download that trickles forever (``state_download_seconds``)."""
 
-    def __init__(self):
-        self.result = None
-        self._done = False
 
-    def set_result(self, result) -> None:
-        self.result, self._done = result, True
+def state_download_seconds(state_bytes: int, first_chunk_timeout: float) -> float:
+    """The longest one peer may take to send a state of ``state_bytes``: its first chunk within
+    ``first_chunk_timeout`` (load_state_timeout), the rest at ``MIN_STATE_RATE`` or faster."""
+    return first_chunk_timeout + state_bytes / MIN_STATE_RATE
 
-    def done(self) -> bool:
-        return self._done
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _same_kind(local, remote) -> bool:
+    if isinstance(local, bool) or isinstance(remote, bool):
+        return type(local) is type(remote)
+    if isinstance(local, (int, float)):
+        return _is_number(remote) and isinstance(remote, int) == isinstance(local, int)
+    return type(local) is type(remote)
+
+
+def _check_optimizer_metadata(local_state: dict, remote_flat) -> Optional[str]:
+    """Why the downloaded optimizer metadata (hivemind's flat form) does not fit the local optimizer, or None.
+
+    Hyper-parameters must equal the local configuration (the scheduled ``lr`` may differ but not exceed the
+    group's initial lr); per-parameter values (``step``) must be of the local type, finite and non-negative."""
+    local_flat = list(nested_flatten(local_state))
+    if not isinstance(remote_flat, (list, tuple)) or len(remote_flat) != len(local_flat):
+        return "its optimizer state has a different structure"
+    values = []
+    for local, remote in zip(local_flat, remote_flat):
+        if not isinstance(remote, dict) or remote.get("type") not in ("tensor", "value"):
+            return "its optimizer state has a malformed entry"
+        if isinstance(local, torch.Tensor) != (remote["type"] == "tensor"):
+            return "its optimizer state has a different structure"
+        values.append(local if isinstance(local, torch.Tensor) else remote.get("value"))
+    remote_state = nested_pack(values, structure=local_state)
+    for local_group, remote_group in zip(local_state["param_groups"], remote_state["param_groups"]):
+        for key, local in local_group.items():
+            remote = remote_group.get(key)
+            if key == "lr":
+                ceiling = local_group.get("initial_lr", local)
+                if not (_is_number(remote) and 0 <= remote <= ceiling * (1 + 1e-6)):
+                    return f"its learning rate {remote!r} is outside this run's schedule (0 ... {ceiling})"
+            elif key != "params" and remote != local:
+                return f"its optimizer setting {key}={remote!r} differs from this peer's {local!r}"
+    for param_key, local_param_state in local_state["state"].items():
+        remote_param_state = remote_state["state"][param_key]
+        for key, local in local_param_state.items():
+            if isinstance(local, torch.Tensor):
+                continue
+            remote = remote_param_state.get(key)
+            if not _same_kind(local, remote) or (_is_number(remote) and remote < 0):
+                return f"its optimizer state {key}={remote!r} is not a valid {type(local).__name__}"
+    return None
 
 
 class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
@@ -204,16 +299,157 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
     # download to catch up with the swarm. None: the parameters are at local_epoch.
     _params_epoch: Optional[int] = None
 
+    # set in the averager process before each download (``_set_download_bound``): the highest epoch the swarm's
+    # consensus allows a downloaded state to carry (None: no bound)
+    _max_download_epoch: Optional[int] = None
+    _local_layout: Optional[Tuple[list, dict]] = None
+
+    def state_bytes(self) -> int:
+        """The size of this peer's state as served (what a download of the same state transfers, uncompressed)."""
+        layout, _ = self._layout()
+        return sum(shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in layout)
+
+    def _layout(self) -> Tuple[list, dict]:
+        """(shape, dtype) of every tensor of the served state, in order, and the optimizer's state_dict (structure
+        and local hyper-parameters); computed once (shapes never change)."""
+        if self._local_layout is None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            _, opt_tensors = dump_optimizer_state(self.optimizer)
+            layout = [(t.shape, t.dtype) for t in chain(params, self.extra_tensors, opt_tensors)]
+            self._local_layout = (layout, self.optimizer.state_dict())
+        return self._local_layout
+
+    def check_downloaded_state(self, metadata, tensors) -> Optional[str]:
+        """Why a downloaded state must not be applied, or None: it is checked completely before any of it is."""
+        if not isinstance(metadata, dict):
+            return "its metadata is not a dictionary"
+        epoch = metadata.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            return f"its epoch {epoch!r} is not a non-negative integer"
+        if self._max_download_epoch is not None and epoch > self._max_download_epoch:
+            return f"its epoch {epoch} is beyond the swarm's consensus (at most {self._max_download_epoch})"
+        layout, local_state = self._layout()
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != len(layout):
+            return f"it has {len(tensors)} tensors, this peer's state has {len(layout)}"
+        for index, (tensor, (shape, dtype)) in enumerate(zip(tensors, layout)):
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != shape or tensor.dtype != dtype:
+                got = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor)
+                return f"its tensor {index} is {got}, expected {(tuple(shape), dtype)}"
+        if self.policy.finite_downloads_only and not _finite_floats(tensors):
+            return "it has NaN/inf values"
+        return _check_optimizer_metadata(local_state, metadata.get("optimizer_metadata"))
+
+    async def _set_download_bound(self, max_epoch: Optional[int], future: MPFuture) -> None:
+        self._max_download_epoch = max_epoch
+        future.set_result(None)
+
     async def _load_state_from_peers(self, future, timeout: Optional[float] = None):
-        outcome = _Outcome()
+        """Replaces hivemind's: tries candidate peers in turn (capped priority), each within a bounded time and
+        size, and hands over only a state that passed ``check_downloaded_state``; None when none did."""
+        loaded = None
         try:
-            await super()._load_state_from_peers(outcome, timeout=timeout)
+            loaded = await self._download_checked_state()
+        except Exception as e:
+            logger.warning("State download failed: %r", e)
         finally:
-            loaded = outcome.result
-            if loaded is not None and self.policy.finite_downloads_only and not _finite_floats(loaded[1]):
-                logger.warning("A peer sent a state with NaN/inf values: not applying it")
-                loaded = None
-            future.set_result(loaded)
+            if not future.done():
+                future.set_result(loaded)
+
+    def _state_candidates(self) -> List[PeerID]:
+        """Peers that declared their state, best first: the priority they claim is capped at the epoch bound + 1
+        (above it every claim is equal: a peer cannot buy the first place with a huge or infinite priority)."""
+        declared, _ = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True) or (
+            {},
+            None,
+        )
+        cap = math.inf if self._max_download_epoch is None else self._max_download_epoch + 1
+        ranked = {}
+        for raw_id, info in (declared or {}).items():
+            if not isinstance(info, ValueWithExpiration) or not isinstance(info.value, (int, float)):
+                continue
+            if isinstance(info.value, bool) or math.isnan(info.value):
+                continue
+            try:
+                peer_id = PeerID(raw_id)
+            except Exception:
+                continue
+            if peer_id != self.peer_id:
+                ranked[peer_id] = (min(float(info.value), cap), random.random())  # random: the tie breaker
+        return sorted(ranked, key=ranked.get, reverse=True)
+
+    async def _download_checked_state(self):
+        candidates = self._state_candidates()
+        if not candidates:
+            logger.info("No peer declared its state for download")
+            return None
+        expected = self.state_bytes()
+        first_chunk = self._first_chunk_timeout
+        per_peer = state_download_seconds(expected, first_chunk)
+        deadline = time.monotonic() + MAX_STATE_CANDIDATES * per_peer
+        for peer in candidates[:MAX_STATE_CANDIDATES]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            started = time.monotonic()
+            try:
+                metadata, tensors = await asyncio.wait_for(
+                    self._download_from(peer, expected, first_chunk), timeout=min(per_peer, remaining)
+                )
+            except Exception as e:
+                logger.warning("Could not download the state from %s: %r; trying the next peer", peer, e)
+                continue
+            reason = self.check_downloaded_state(metadata, tensors)
+            if reason is not None:
+                logger.warning("Not applying the state from %s: %s; trying the next peer", peer, reason)
+                continue
+            logger.info(
+                "Downloaded the state (%.1f MB) from %s in %.1f s", expected / 1e6, peer, time.monotonic() - started
+            )
+            return metadata, tensors
+        return None
+
+    _first_chunk_timeout: float = 60.0  # set from load_state_timeout by the host before each download
+
+    async def _download_from(self, peer: PeerID, expected_bytes: int, first_chunk_timeout: float):
+        """One peer's state: the first chunk within ``first_chunk_timeout``, every next one within
+        ``STATE_CHUNK_TIMEOUT``, no more than the expected size (plus slack) in all."""
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await asyncio.wait_for(
+            stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout=first_chunk_timeout
+        )
+        chunk_timeout = max(STATE_CHUNK_TIMEOUT, self.next_chunk_timeout or 0.0)
+        limit = int(expected_bytes * 1.25) + (1 << 20)
+        metadata, parts, tensors, received = None, [], [], 0
+        iterator = stream.__aiter__()
+        wait = first_chunk_timeout
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(iterator.__anext__(), timeout=wait)
+                except StopAsyncIteration:
+                    break
+                wait = chunk_timeout
+                received += message.ByteSize()
+                if received > limit:
+                    raise ValueError(f"it sent more than {limit} bytes, this peer's state has {expected_bytes}")
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+        finally:  # an abandoned download must not keep the server sending
+            close = getattr(iterator, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:
+                    pass
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        if not metadata:
+            raise ValueError("it sent no state (it does not share its state now)")
+        return metadata, tensors
 
     def get_current_state(self):
         """The state served to a joining peer (or an aux peer's checkpoint): one consistent snapshot, labelled
@@ -244,12 +480,24 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
         self.local_epoch = epoch
         self._params_epoch = None
 
-    def load_state_from_peers(self, **kwargs):
+    def load_state_from_peers(self, *, max_epoch: Optional[int] = None, **kwargs):
+        """hivemind's download and apply, with ``max_epoch`` (the swarm's consensus allows no later state) and a
+        wait as long as the download may take (hivemind waited load_state_timeout and left the transfer running)."""
         self.applied_epoch, self._loading = None, True
+        first_chunk = kwargs.get("timeout") or self._first_chunk_timeout
+        self._first_chunk_timeout = first_chunk  # the host's copy, for state_bytes' budget below
+        bound = MPFuture()
+        self._outer_pipe.send(("_set_download_bound", [], dict(max_epoch=max_epoch, future=bound)))
+        bound.result(timeout=30)
+        self._outer_pipe.send(("_set_first_chunk_timeout", [], dict(seconds=first_chunk)))
+        kwargs["timeout"] = MAX_STATE_CANDIDATES * state_download_seconds(self.state_bytes(), first_chunk) + 30
         try:
             return super().load_state_from_peers(**kwargs)
         finally:
             self._loading = False
+
+    async def _set_first_chunk_timeout(self, seconds: float) -> None:
+        self._first_chunk_timeout = seconds
 
     def _update_scheduler(self):
         # TrainingStateAverager calls this right after applying a downloaded state (the one exact sign that the
@@ -268,7 +516,10 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
 
 
 class LeanHiveGradientAverager(_PolicyAveraging, GradientAverager):
-    """GradientAverager that applies ``policy`` (allowlist for its RPCs, bounded contributions)."""
+    """GradientAverager that applies ``policy`` (allowlist for its RPCs, bounded contributions, bounded two-peer
+    rounds)."""
+
+    _bound_two_peer_rounds = True
 
 
 class LeanHiveOptimizer(hivemind.Optimizer):
@@ -285,7 +536,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             pass
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
-        return LeanHiveProgressTracker(
+        tracker = LeanHiveProgressTracker(
             dht=self.dht,
             prefix=self.run_id,
             target_batch_size=target_batch_size,
@@ -294,6 +545,8 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             start=True,
             **kwargs,
         )
+        tracker.votes_own_epoch = not self.auxiliary
+        return tracker
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         return LeanHiveStateAverager(
@@ -317,10 +570,66 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         super().load_state_dict(state_dict)
         self.state_averager.parameters_replaced(self.local_epoch)
 
+    load_state_attempts = 2
+    """Attempts of one ``load_state_from_peers`` call (each tries up to MAX_STATE_CANDIDATES peers); hivemind
+    retried ``while True``, so a peer that always failed kept this one downloading forever."""
+
+    def load_state_from_peers(self, **kwargs):
+        """hivemind.Optimizer's, with a bounded number of attempts and the epoch bound of the swarm's consensus."""
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self._tag_along_with_zero_weight(self.scheduled_grads)
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+
+        with self.tracker.pause_updates():
+            # a state is labelled with its parameters' epoch: never far beyond the swarm's consensus (the tracker's
+            # view may lag a few fast epochs behind a peer that serves its state)
+            max_epoch = download_epoch_bound(self.tracker, self.local_epoch)
+            for attempt in range(1, self.load_state_attempts + 1):
+                try:
+                    self.state_averager.load_state_from_peers(
+                        timeout=self.load_state_timeout, max_epoch=max_epoch, **kwargs
+                    )
+                    break
+                except KeyboardInterrupt:
+                    raise
+                except Exception as e:
+                    logger.warning("Failed to load the state from peers (attempt %d): %r", attempt, e)
+            if self.state_averager.state_arrived() and isinstance(self.tracker, LeanHiveProgressTracker):
+                # a peer that claimed an epoch no served state has is not followed again (one download, not one
+                # per step)
+                self.tracker.refute_claims_above(self.local_epoch)
+
+            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
+                logger.log(self.status_loglevel, f"Catching up with collaboration step {self.tracker.global_epoch}")
+                self.state_averager.local_epoch = self.tracker.global_epoch
+
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+
+            if self.use_gradient_averaging:
+                self.grad_averager.reset_accumulated_grads_()
+                if not self.client_mode:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
+
     def load_state_checked(self) -> bool:
         """Download the swarm's state; True only if a peer answered and the state was applied."""
         self.load_state_from_peers()
         return self.state_averager.state_arrived()
+
+
+def download_epoch_bound(tracker: ProgressTracker, local_epoch: int) -> Optional[int]:
+    """The highest epoch a downloaded state may carry: the swarm's consensus (a median, not the maximum) plus
+    ``DOWNLOAD_EPOCH_LEAD`` (the tracker's view may lag a few fast epochs behind the peer that serves); this peer's
+    own epoch counts when it is ahead (a state far beyond what this peer already had from the swarm is refused even
+    when no other peer reports). None only for a fresh peer (epoch 0) that sees no progress at all: with nothing to
+    compare with (e.g. an aux serving a resumed checkpoint), any epoch may be the swarm's."""
+    consensus = getattr(tracker, "consensus_epoch", None)
+    if consensus is None and local_epoch == 0:
+        return None
+    return max(local_epoch, consensus or 0) + DOWNLOAD_EPOCH_LEAD
 
 
 @torch.no_grad()

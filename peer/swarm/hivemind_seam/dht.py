@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import FrozenSet, List, Optional, Sequence
+import math
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence
 
 import hivemind
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils import get_dht_time
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,81 @@ class RecordSizeValidator(RecordValidatorBase):
         if not isinstance(other, RecordSizeValidator):
             return False
         self.max_bytes = min(self.max_bytes, other.max_bytes)
+        return True
+
+
+MAX_CLOCK_SKEW = 60.0  # seconds another peer's clock (DHT time) may be ahead of ours
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """What a record under one of the swarm's keys may look like.
+
+    ``entries``: "signed" (subkey carries the owner's public key; schema and signature are checked by the
+    SchemaValidator / RSASignatureValidator), "peer_priority" (subkey: a libp2p peer ID, value: None or a finite
+    number; hivemind's state-sharing declarations) or "peer_flag" (subkey: a peer ID, value: a bool; hivemind's
+    matchmaking declarations). ``max_ttl``: how far beyond now (plus ``MAX_CLOCK_SKEW``) a record may expire.
+    """
+
+    name: str
+    entries: str
+    max_ttl: float
+
+
+def _is_peer_id(raw: bytes) -> bool:
+    # a libp2p peer ID is a multihash: identity (0x00, small keys) or sha2-256 (0x12), then the digest length
+    return isinstance(raw, bytes) and 2 < len(raw) <= 130 and raw[0] in (0x00, 0x12) and raw[1] == len(raw) - 2
+
+
+class SwarmKeyValidator(RecordValidatorBase):
+    """Every key the swarm reads only takes per-peer entries (one subkey per peer, in the key's form) that expire
+    within the key's bound: hivemind lets a plain value with a later expiration replace a whole dictionary, so
+    without this one record with an expiration years ahead locks every honest declaration out of a key (key
+    squatting). Keys this validator does not know are left to the other validators."""
+
+    def __init__(self, rules: Mapping[str, KeyRule]):
+        self._rules: Dict[bytes, KeyRule] = {DHTID.generate(source=key).to_bytes(): rule for key, rule in rules.items()}
+
+    def validate(self, record: DHTRecord) -> bool:
+        rule = self._rules.get(record.key)
+        if rule is None:
+            return True
+        problem = self._problem(rule, record)
+        if problem is not None:
+            logger.debug("Refused a record under %s: %s", rule.name, problem)
+            return False
+        return True
+
+    @staticmethod
+    def _problem(rule: KeyRule, record: DHTRecord) -> Optional[str]:
+        if record.subkey == DHTProtocol.IS_REGULAR_VALUE:
+            return "a plain value where only per-peer entries (subkeys) are allowed"
+        latest = get_dht_time() + rule.max_ttl + MAX_CLOCK_SKEW
+        if not record.expiration_time <= latest:
+            return f"expiration {record.expiration_time} is more than {rule.max_ttl:g} s (+ clock skew) ahead"
+        if rule.entries == "signed":
+            return None
+        try:
+            subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
+        except Exception as e:  # noqa: BLE001 - any undecodable record is refused
+            return f"undecodable subkey or value ({e!r})"
+        if not _is_peer_id(subkey):
+            return "the subkey is not a peer ID"
+        if rule.entries == "peer_flag":
+            return None if isinstance(value, bool) else f"value {value!r} is not a bool"
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is None or (number and math.isfinite(value)):
+            return None
+        return f"value {value!r} is neither None nor a finite number"
+
+    @property
+    def priority(self) -> int:
+        return 5  # after the signature validator (10) stripped its signature
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        if not isinstance(other, SwarmKeyValidator):
+            return False
+        self._rules.update(other._rules)
         return True
 
 

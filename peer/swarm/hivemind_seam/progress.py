@@ -1,20 +1,69 @@
-"""hivemind's progress tracker, with a clean exit of its event loop. See the package docstring."""
+"""hivemind's progress tracker, with bounds on what one peer's record may claim and a clean exit of its event loop.
+See the package docstring."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import statistics
+import time
+from typing import Dict, Optional
 
-from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
+from hivemind.utils import get_dht_time
+
+from peer.swarm.hivemind_seam.dht import MAX_CLOCK_SKEW
+
+logger = logging.getLogger(__name__)
+
+MAX_EPOCH_LEAD = 1  # a peer may be this many epochs ahead of the consensus (it just finished the epoch)
+THROUGHPUT_FACTOR = 1.0  # another peer's throughput counts at most as the swarm's median throughput...
+MAX_SAMPLES_PER_SECOND = 1e6  # ...and never more than this
+MIN_MEASURED_RATE = 1e-6  # below this, a peer has not measured its own throughput yet (hivemind starts at eps)
+IMPLAUSIBLE_FACTOR = 10.0  # a throughput this many times the median is logged as implausible
+# samples another peer is assumed to have added since its last report, at most (honest peers report every step)
+MAX_EXTRAPOLATED_SHARE = 0.125
+MAX_PEER_SHARE = 0.5  # of target_batch_size, what one other peer's record may account for
+REFUTED_SECONDS = 60.0  # how long a peer whose epoch claim a state download refuted has its lead ignored...
+MAX_REFUTED_SECONDS = 3600.0  # ...doubling with each refutation, up to this
 
 
 class LeanHiveProgressTracker(ProgressTracker):
-    """ProgressTracker whose thread cancels the helper tasks hivemind leaves pending when it shuts down.
+    """ProgressTracker that bounds what a (signed, schema-valid) record may claim, and whose thread cancels the
+    helper tasks hivemind leaves pending when it shuts down.
 
-    hivemind's progress fetcher returns on shutdown without cancelling its shutdown-checker and DHT-getter tasks;
-    they are destroyed with the loop, and Python prints "Task was destroyed but it is pending!" at exit.
+    hivemind takes the swarm's epoch as the maximum of all records and its throughput as their sum, so one record
+    with ``epoch=10**12`` makes every peer re-download the state before every step, and one with
+    ``samples_per_second=1e300`` ends every epoch after one local step. Here, before hivemind's own arithmetic:
+
+    - a record whose ``time`` is ahead of our clock by more than ``MAX_CLOCK_SKEW`` or older than its lifetime
+      (``metadata_expiration`` + skew), or whose throughput is not finite, is ignored;
+    - the epoch consensus (``consensus_epoch``) is the (lower) median of the non-client peers' epochs, this peer's
+      own included once it is in sync with the swarm (a joiner that has not loaded the state yet does not vote). It
+      bounds the epoch a downloaded state may carry. A record more than ``MAX_EPOCH_LEAD`` epochs ahead of it is a
+      *claim*: an honest peer of a fast swarm is often a few epochs ahead of a slower one, so it is followed (the
+      slower peer downloads the state, as in hivemind) until a download refutes it: a state download that ends
+      more than ``MAX_EPOCH_LEAD`` below the claim (``refute_claims_above``) makes this peer ignore that peer's
+      lead for ``REFUTED_SECONDS`` (doubling with each refutation). So a record with ``epoch=10**12`` costs one
+      download, not one per step;
+    - another peer's throughput counts at most as the median throughput or this peer's own, if higher
+      (``THROUGHPUT_FACTOR``); the samples it is assumed to have added since its last report at most
+      ``MAX_EXTRAPOLATED_SHARE`` of the target, and its samples at most ``MAX_PEER_SHARE`` of the target: a peer
+      that did more ends the epoch itself and the others follow its next-epoch record, but one record cannot end
+      an epoch for everyone.
+
+    Each ignored record is logged once per peer and reason (a warning), then at DEBUG.
     """
 
+    consensus_epoch: Optional[int] = None
+    """The lower median of the peers' epochs at the last fetch (None: no peer reports progress)."""
+    votes_own_epoch = True
+    """False for an auxiliary peer: it observes the trainers, its own (downloaded, often older) epoch is no vote."""
+
     def run(self):
+        # hivemind's progress fetcher returns on shutdown without cancelling its shutdown-checker and DHT-getter
+        # tasks; they would be destroyed with the loop ("Task was destroyed but it is pending!" at exit)
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         loop.run_until_complete(asyncio.gather(self._progress_reporter(), self._progress_fetcher()))
@@ -24,3 +73,159 @@ class LeanHiveProgressTracker(ProgressTracker):
             task.cancel()
         loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
         loop.close()
+
+    # ------------------------------------------------------------------------------------- bounded records
+
+    def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
+        if not isinstance(metadata, dict) or not metadata:
+            progress = super()._parse_swarm_progress_data(metadata)
+        else:
+            progress = self._bounded_progress(self._plausible_records(metadata, get_dht_time()), get_dht_time())
+        if self.local_progress.epoch >= progress.epoch - MAX_EPOCH_LEAD:
+            self._in_sync = True  # from now on this peer's own epoch votes in the consensus
+        return progress
+
+    def _plausible_records(self, metadata: dict, now: float) -> Dict[bytes, LocalTrainingProgress]:
+        own_key = self._local_public_key
+        parsed: Dict[bytes, LocalTrainingProgress] = {}
+        for subkey, entry in metadata.items():
+            if entry.value is None:
+                continue
+            try:
+                record = LocalTrainingProgress.parse_obj(entry.value)
+            except Exception as e:  # noqa: BLE001 - a malformed record is one peer's problem, not ours
+                self._ignore(subkey, "malformed", f"does not parse ({e})")
+                continue
+            if record.time > now + MAX_CLOCK_SKEW:
+                self._ignore(subkey, "future", f"its time is {record.time - now:.0f} s ahead of this peer's clock")
+            elif record.time < now - self.metadata_expiration - MAX_CLOCK_SKEW:
+                self._ignore(subkey, "stale", f"it was written {now - record.time:.0f} s ago but has not expired")
+            elif not math.isfinite(record.samples_per_second):
+                self._ignore(subkey, "throughput", f"throughput {record.samples_per_second} is not finite")
+            else:
+                parsed[subkey] = record
+
+        votes = [r.epoch for key, r in parsed.items() if not r.client_mode and key != own_key]
+        if getattr(self, "_in_sync", False) and not self.client_mode and self.votes_own_epoch:
+            votes.append(self.local_progress.epoch)
+        consensus = statistics.median_low(votes) if votes else None
+        self.consensus_epoch = consensus
+        refuted = self.__dict__.setdefault("_refuted", {})
+        claims = {}
+        if consensus is not None:
+            for key in [key for key, r in parsed.items() if r.epoch > consensus + MAX_EPOCH_LEAD]:
+                if refuted.get(key, -math.inf) > time.monotonic():
+                    self._ignore(
+                        key,
+                        "epoch",
+                        f"its epoch {parsed[key].epoch} is more than {MAX_EPOCH_LEAD} ahead of the swarm's "
+                        f"consensus {consensus}, and a state download refuted its last claim",
+                    )
+                    del parsed[key]
+                else:
+                    claims[key] = parsed[key].epoch
+        self._claims = claims
+        self._last_metadata = metadata
+        return parsed
+
+    def refute_claims_above(self, epoch: int) -> None:
+        """A state download just ended at ``epoch``: the peers that claimed more than ``MAX_EPOCH_LEAD`` beyond it
+        are not followed for ``REFUTED_SECONDS``, and the swarm's progress is re-estimated without them. Call it
+        with the tracker paused (``pause_updates``), as hivemind's own download does."""
+        refuted = self.__dict__.setdefault("_refuted", {})
+        liars = [key for key, claim in getattr(self, "_claims", {}).items() if claim > epoch + MAX_EPOCH_LEAD]
+        strikes = self.__dict__.setdefault("_strikes", {})
+        for key in liars:
+            strikes[key] = strikes.get(key, 0) + 1
+            # doubling: a peer that keeps claiming what no state has costs one download per hour at most
+            seconds = min(REFUTED_SECONDS * 2 ** (strikes[key] - 1), MAX_REFUTED_SECONDS)
+            refuted[key] = time.monotonic() + seconds
+            logger.warning(
+                "Peer %s claimed epoch %d, but the swarm's state is at epoch %d: ignoring its lead for %.0f s (a "
+                "broken or hostile peer)",
+                _short(key),
+                self._claims[key],
+                epoch,
+                seconds,
+            )
+        if liars and getattr(self, "_last_metadata", None):
+            self.global_progress = self._parse_swarm_progress_data(self._last_metadata)
+
+    def _bounded_progress(self, records: Dict[bytes, LocalTrainingProgress], now: float) -> GlobalTrainingProgress:
+        """hivemind's estimate (ProgressTracker._parse_swarm_progress_data, 1.1.12) over plausible records, with
+        each other peer's throughput capped at the median throughput and its share of the epoch bounded."""
+        if not records:
+            return super()._parse_swarm_progress_data({})
+        own_key = self._local_public_key
+        num_peers = len(records)
+        num_clients = sum(r.client_mode for r in records.values())
+        global_epoch = max([self.local_progress.epoch] + [r.epoch for r in records.values() if not r.client_mode])
+
+        own_rate = self.performance_ema.samples_per_second
+        # peers that report no throughput (aux peers, peers between epochs, this peer before its first step) do not
+        # pull the median down: with them, an aux peer would cap every trainer at its own ~0 samples/s
+        rates = [r.samples_per_second for r in records.values() if r.samples_per_second > 0]
+        if own_rate > MIN_MEASURED_RATE:
+            rates.append(own_rate)
+        median_rate = max(statistics.median_low(rates), own_rate) if rates else MAX_SAMPLES_PER_SECOND
+        rate_cap = min(MAX_SAMPLES_PER_SECOND, THROUGHPUT_FACTOR * median_rate)
+        share_cap = self.target_batch_size * MAX_PEER_SHARE  # what one other peer may account for
+        extrapolation_cap = self.target_batch_size * MAX_EXTRAPOLATED_SHARE
+
+        total_samples_accumulated = estimated_current_samples = 0.0
+        total_samples_per_second = self.performance_ema.eps
+        for key, record in records.items():
+            rate, samples = record.samples_per_second, float(record.samples_accumulated)
+            extrapolated = max(0.0, now - record.time) * rate
+            if key != own_key:
+                if rate > IMPLAUSIBLE_FACTOR * rate_cap:  # honest peers above the median are capped silently
+                    self._ignore(key, "capped", f"throughput {rate:g} capped at {rate_cap:g} samples/s")
+                rate = min(rate, rate_cap)
+                extrapolated = min(max(0.0, now - record.time) * rate, extrapolation_cap)
+                samples = min(samples, share_cap)
+            total_samples_per_second += rate
+            if record.epoch == global_epoch:
+                total_samples_accumulated += samples
+                estimated_current_samples += (
+                    min(samples + extrapolated, share_cap) if key != own_key else (samples + extrapolated)
+                )
+
+        estimated_samples_remaining = self.target_batch_size - estimated_current_samples
+        estimated_time_to_next_epoch = max(0.0, estimated_samples_remaining) / total_samples_per_second
+        expected_max_peers = max(num_peers + self.expected_drift_peers, num_peers * (1 + self.expected_drift_rate))
+        time_to_next_fetch = min(
+            self.max_refresh_period,
+            max(self.min_refresh_period, estimated_time_to_next_epoch * num_peers / expected_max_peers),
+        )
+        logger.log(
+            self.status_loglevel,
+            f"{self.prefix} accumulated {total_samples_accumulated} samples for epoch #{global_epoch} from "
+            f"{num_peers} peers. ETA {estimated_time_to_next_epoch:.2f} sec (refresh in {time_to_next_fetch:.2f} sec)",
+        )
+        return GlobalTrainingProgress(
+            global_epoch,
+            int(total_samples_accumulated),
+            target_batch_size=self.target_batch_size,
+            num_peers=num_peers,
+            num_clients=num_clients,
+            eta_next_epoch=now + estimated_time_to_next_epoch,
+            next_fetch_time=now + time_to_next_fetch,
+        )
+
+    def _ignore(self, subkey: bytes, reason: str, detail: str) -> None:
+        logged = self.__dict__.setdefault("_logged_outliers", set())
+        level = logging.DEBUG if (subkey, reason) in logged else logging.WARNING
+        logged.add((subkey, reason))
+        action = "Capped" if reason == "capped" else "Ignoring"
+        logger.log(
+            level,
+            "%s the progress record of peer %s: %s (a broken or hostile peer; if it is yours, check its clock "
+            "and that it runs the same LeanHive version and run_id)",
+            action,
+            _short(subkey),
+            detail,
+        )
+
+
+def _short(subkey: Optional[bytes]) -> str:
+    return subkey[-12:].hex() if isinstance(subkey, bytes) else repr(subkey)

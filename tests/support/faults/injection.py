@@ -17,6 +17,11 @@ What a broken or hostile peer puts on the wire (its own local checks never see i
   (after the first averaged tensor came back, while the rest is still in flight); ``=/some/file``: in the
   first gradient all-reduce after that file exists (tests decide when). Several peers may share one file: the
   first to get there renames it (``.fired``), so exactly one of them dies.
+- ``LEANHIVE_FAULT_SEND_WEIGHT=inf``: the sample weight this peer claims in every gradient all-reduce.
+- ``LEANHIVE_FAULT_SEND_BAD_SHAPE=1``: every gradient part this peer sends to another peer's reducer is a
+  1-element tensor instead of the shard's part.
+- ``LEANHIVE_FAULT_RECORD_AVERAGING=/path.jsonl``: (an observation, no fault) after each gradient all-reduce,
+  append {ok, error, cosine, change} comparing what this peer sent with the average it applied.
 - ``LEANHIVE_TEST_PARAMS_DIR=/path``: after each global epoch, write the parameters to
   ``/path/epoch_000012.pt`` (tests compare peers epoch by epoch).
 """
@@ -39,6 +44,9 @@ NAN_PARAM_EPOCHS_ENV = "LEANHIVE_FAULT_NAN_PARAM_EPOCHS"
 SEND_GRAD_SCALE_ENV = "LEANHIVE_FAULT_SEND_GRAD_SCALE"
 SEND_NONFINITE_GRADS_ENV = "LEANHIVE_FAULT_SEND_NONFINITE_GRADS"
 DIE_IN_ALLREDUCE_ENV = "LEANHIVE_FAULT_DIE_IN_ALLREDUCE"
+SEND_WEIGHT_ENV = "LEANHIVE_FAULT_SEND_WEIGHT"
+SEND_BAD_SHAPE_ENV = "LEANHIVE_FAULT_SEND_BAD_SHAPE"
+RECORD_AVERAGING_ENV = "LEANHIVE_FAULT_RECORD_AVERAGING"
 PARAMS_DIR_ENV = "LEANHIVE_TEST_PARAMS_DIR"
 
 
@@ -92,6 +100,65 @@ def corrupt_sent_gradients(averager) -> None:
             else:
                 flat.mul_(scale)
     logger.warning("FAULT INJECTION: sending %s gradients for averaging", "NaN/inf" if nonfinite else f"{scale:g}x")
+
+
+def weight_to_send(weight):
+    """The sample weight a hostile peer claims instead of its own (``LEANHIVE_FAULT_SEND_WEIGHT``)."""
+    claimed = os.environ.get(SEND_WEIGHT_ENV, "").strip()
+    if not claimed:
+        return weight
+    logger.warning("FAULT INJECTION: claiming sample weight %s instead of %s", claimed, weight)
+    return float(claimed)
+
+
+def maybe_send_bad_shapes() -> None:
+    """Called in the averager process: from now on every part sent to another reducer is a 1-element tensor."""
+    if os.environ.get(SEND_BAD_SHAPE_ENV, "") in ("", "0"):
+        return
+    from hivemind.averaging.allreduce import AllReduceRunner
+    from hivemind.compression import serialize_torch_tensor
+
+    from peer.swarm.hivemind_seam import BoundedAllReduceRunner
+
+    original = AllReduceRunner._generate_input_for_peer
+    if getattr(BoundedAllReduceRunner, "_bad_shapes", False):
+        return
+
+    async def bad_shapes(self, peer_index):
+        async for message in original(self, peer_index):
+            message.tensor_part.CopyFrom(serialize_torch_tensor(torch.ones(1)))
+            yield message
+
+    BoundedAllReduceRunner._generate_input_for_peer = bad_shapes
+    BoundedAllReduceRunner._bad_shapes = True
+    logger.warning("FAULT INJECTION: sending 1-element parts instead of gradient shards")
+
+
+def snapshot_sent(tensors):
+    """What this peer is about to send (``LEANHIVE_FAULT_RECORD_AVERAGING``), or None when not recording."""
+    if not os.environ.get(RECORD_AVERAGING_ENV):
+        return None
+    return torch.cat([t.detach().flatten().float() for t in tensors]).clone()
+
+
+def record_averaging(sent, tensors, error=None) -> None:
+    """Append how the applied average compares with what this peer sent (cosine, relative change)."""
+    if sent is None:
+        return
+    import json
+
+    applied = torch.cat([t.detach().flatten().float() for t in tensors])
+    norm = float(sent.norm())
+    cosine = float(torch.nn.functional.cosine_similarity(sent, applied, dim=0)) if norm > 0 else None
+    line = {
+        "ok": error is None,
+        "error": None if error is None else repr(error)[:300],
+        "cosine": cosine,
+        "change": float((applied - sent).norm()) / norm if norm > 0 else None,
+        "finite": bool(torch.isfinite(applied).all()),
+    }
+    with open(os.environ[RECORD_AVERAGING_ENV], "a") as file:
+        file.write(json.dumps(line) + "\n")
 
 
 _allreduce_rounds = 0  # gradient all-reduce rounds this averager process took part in

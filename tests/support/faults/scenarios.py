@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from tests.support.aux import wait_for
+from tests.support.faults import broken_peer, hostile_records, hostile_state, slow_link
 from tests.support.faults.swarm import (
     BROADBAND,
     INTERNET,
@@ -1162,4 +1163,9 @@ MATRIX = [
     Scenario("g", bad_dht_records, fast=True, needs_netns=False),
     Scenario("h", authorization, fast=True, needs_netns=False),
     Scenario("i", corrupt_files, fast=True, needs_netns=False),
+    Scenario("s", hostile_state.hostile_states, fast=False, needs_netns=False),
+    Scenario("t", hostile_state.hostile_averaging, fast=False, needs_netns=False),
+    Scenario("pq", hostile_records.hostile_records, fast=False, needs_netns=False),
+    Scenario("u", slow_link.slow_link_state_download, fast=False, needs_netns=True),
+    Scenario("v", broken_peer.dead_p2pd, fast=False, needs_netns=False),
 ]
