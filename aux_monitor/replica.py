@@ -53,7 +53,11 @@ class SwarmReplica:
             averager = self.optimizer.state_averager
             # a state beyond the swarm's consensus (a hostile label of 10**12) is refused before it is applied
             bound = download_epoch_bound(self.optimizer.tracker, self.held_epoch or 0)
-            averager.load_state_from_peers(timeout=self.load_state_timeout, max_epoch=bound)
+            averager.load_state_from_peers(
+                timeout=self.load_state_timeout,
+                max_epoch=bound,
+                progress_key=self.optimizer.tracker.training_progress_key,
+            )
             if not averager.state_arrived():
                 return None
             epoch = averager.local_epoch

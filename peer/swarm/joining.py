@@ -8,7 +8,6 @@ state-sharing records).
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from typing import Dict, Optional, Tuple
@@ -18,7 +17,8 @@ from hivemind.utils import get_dht_time
 
 from peer.swarm import events
 from peer.swarm.config import CollaborationArguments
-from peer.swarm.hivemind_seam import MAX_CLOCK_SKEW, LeanHiveOptimizer
+from peer.swarm.hivemind_seam import LeanHiveOptimizer, read_consensus_epoch
+from peer.swarm.keys import progress_key
 from peer.swarm.records import read_progress, read_state_sharing
 
 logger = logging.getLogger(__name__)
@@ -217,18 +217,12 @@ def final_barrier(
 # ----------------------------------------------------------------------------------------- re-syncing
 
 
-def swarm_epoch(dht: hivemind.DHT, run_id: str, timeout: float = 10.0) -> Optional[int]:
+def swarm_epoch(dht: hivemind.DHT, run_id: str) -> Optional[int]:
     """The epoch the (non-client) peers agree on now, read fresh from the DHT (None if nobody reports).
 
     The lower median, not the maximum: one signed record claiming epoch 10**12 (or a clock far ahead) must not
     make this peer wait for an epoch that never comes. Records dated beyond the clock skew are ignored."""
-    now = get_dht_time()
-    epochs = [
-        record.epoch
-        for record in read_progress(dht, run_id, timeout=timeout)
-        if not record.client_mode and record.time <= now + MAX_CLOCK_SKEW
-    ]
-    return statistics.median_low(epochs) if epochs else None
+    return read_consensus_epoch(dht, progress_key(run_id))
 
 
 def resync_with_swarm(optimizer: LeanHiveOptimizer, attempts: int = 3, epoch_timeout: float = 60.0) -> bool:

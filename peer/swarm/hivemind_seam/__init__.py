@@ -70,6 +70,8 @@ Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
   (a lead over the median of the peers' epochs is followed only until a state download refutes it, a throughput
   cap, ``time`` within the clock skew); writes hivemind's ``global_progress`` again after a refutation; reads the
   private ``_local_public_key`` (its own record) and ``metadata_expiration``/``performance_ema``.
+- ``read_consensus_epoch``: the same median consensus read fresh from the DHT (a long download re-reads it; the
+  re-sync after an isolation waits on it).
 - ``run``: hivemind's thread body, then the cancellation of the helper tasks hivemind leaves pending at shutdown
   (Python printed "Task was destroyed but it is pending!" at exit).
 - ``load_state_dict``: tells the state averager that its parameters were replaced.
@@ -113,7 +115,7 @@ from peer.swarm.hivemind_seam.dht import (
     private_key_from_der,
     routing_table_peers,
 )
-from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker
+from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
 
 __all__ = [
     "MAX_CLOCK_SKEW",
@@ -136,6 +138,7 @@ __all__ = [
     "download_epoch_bound",
     "ping_peers",
     "private_key_from_der",
+    "read_consensus_epoch",
     "routing_table_peers",
     "sync_offloaded_parameters",
 ]

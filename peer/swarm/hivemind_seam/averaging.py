@@ -28,7 +28,7 @@ from hivemind.utils.nested import nested_flatten, nested_pack
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker
+from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
 from peer.swarm.keys import state_averager_prefix
 from peer.swarm.robust import (
     DEFAULT_CLIP_FACTOR,
@@ -223,6 +223,8 @@ def _finite_floats(tensors) -> bool:
 DOWNLOAD_EPOCH_LEAD = 4
 """A downloaded state may be at most this many epochs beyond the swarm's consensus (the larger of the local and the
 progress tracker's epoch): a label of 10**12 hung the scheduler loop for weeks or ended the run at max_epochs."""
+BOUND_REFRESH_SECONDS = 5.0
+"""A download that took longer than this re-reads the swarm's consensus before the epoch check (the swarm moved on)."""
 MAX_STATE_CANDIDATES = 3
 """Peers a state download tries in turn (highest capped priority first) before giving up for this attempt."""
 STATE_CHUNK_TIMEOUT = 20.0
@@ -339,9 +341,23 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
             return "it has NaN/inf values"
         return _check_optimizer_metadata(local_state, metadata.get("optimizer_metadata"))
 
-    async def _set_download_bound(self, max_epoch: Optional[int], future: MPFuture) -> None:
-        self._max_download_epoch = max_epoch
+    async def _set_download_bound(self, max_epoch: Optional[int], progress_key: Optional[str], future: MPFuture):
+        self._max_download_epoch, self._progress_key = max_epoch, progress_key
         future.set_result(None)
+
+    _progress_key: Optional[str] = None
+
+    def _raise_bound_to_fresh_consensus(self) -> None:
+        """The swarm moved on during a long download: lift the bound to today's consensus (never lower it)."""
+        if self._max_download_epoch is None or self._progress_key is None:
+            return
+        try:
+            fresh = read_consensus_epoch(self.dht, self._progress_key)
+        except Exception as e:  # the old bound stays; the state is refused and the next attempt reads again
+            logger.debug("Could not read the swarm's progress: %r", e)
+            return
+        if fresh is not None:
+            self._max_download_epoch = max(self._max_download_epoch, fresh + DOWNLOAD_EPOCH_LEAD)
 
     async def _load_state_from_peers(self, future, timeout: Optional[float] = None):
         """Replaces hivemind's: tries candidate peers in turn (capped priority), each within a bounded time and
@@ -385,7 +401,8 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
         expected = self.state_bytes()
         first_chunk = self._first_chunk_timeout
         per_peer = state_download_seconds(expected, first_chunk)
-        deadline = time.monotonic() + MAX_STATE_CANDIDATES * per_peer
+        began = time.monotonic()
+        deadline = began + MAX_STATE_CANDIDATES * per_peer
         for peer in candidates[:MAX_STATE_CANDIDATES]:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -398,6 +415,8 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
             except Exception as e:
                 logger.warning("Could not download the state from %s: %r; trying the next peer", peer, e)
                 continue
+            if time.monotonic() - began > BOUND_REFRESH_SECONDS:  # since the bound was set
+                self._raise_bound_to_fresh_consensus()
             reason = self.check_downloaded_state(metadata, tensors)
             if reason is not None:
                 logger.warning("Not applying the state from %s: %s; trying the next peer", peer, reason)
@@ -480,14 +499,16 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
         self.local_epoch = epoch
         self._params_epoch = None
 
-    def load_state_from_peers(self, *, max_epoch: Optional[int] = None, **kwargs):
+    def load_state_from_peers(self, *, max_epoch: Optional[int] = None, progress_key: Optional[str] = None, **kwargs):
         """hivemind's download and apply, with ``max_epoch`` (the swarm's consensus allows no later state) and a
         wait as long as the download may take (hivemind waited load_state_timeout and left the transfer running)."""
         self.applied_epoch, self._loading = None, True
         first_chunk = kwargs.get("timeout") or self._first_chunk_timeout
         self._first_chunk_timeout = first_chunk  # the host's copy, for state_bytes' budget below
         bound = MPFuture()
-        self._outer_pipe.send(("_set_download_bound", [], dict(max_epoch=max_epoch, future=bound)))
+        self._outer_pipe.send(
+            ("_set_download_bound", [], dict(max_epoch=max_epoch, progress_key=progress_key, future=bound))
+        )
         bound.result(timeout=30)
         self._outer_pipe.send(("_set_first_chunk_timeout", [], dict(seconds=first_chunk)))
         kwargs["timeout"] = MAX_STATE_CANDIDATES * state_download_seconds(self.state_bytes(), first_chunk) + 30
@@ -588,7 +609,10 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             for attempt in range(1, self.load_state_attempts + 1):
                 try:
                     self.state_averager.load_state_from_peers(
-                        timeout=self.load_state_timeout, max_epoch=max_epoch, **kwargs
+                        timeout=self.load_state_timeout,
+                        max_epoch=max_epoch,
+                        progress_key=self.tracker.training_progress_key,
+                        **kwargs,
                     )
                     break
                 except KeyboardInterrupt:

@@ -227,5 +227,27 @@ class LeanHiveProgressTracker(ProgressTracker):
         )
 
 
+def read_consensus_epoch(dht, key: str) -> Optional[int]:
+    """The lower median of the epochs the non-client peers report under the progress ``key`` now, read fresh from
+    the DHT (None if nobody reports); records dated beyond the clock skew do not vote. Blocking.
+
+    The tracker's ``consensus_epoch`` is as old as its last fetch: during a long download (minutes over a slow
+    link, or a hostile peer that trickles) the swarm moves on, and the honest state must not be refused as being
+    beyond a consensus of minutes ago."""
+    found = dht.get(key, latest=True)
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    now = get_dht_time()
+    epochs = []
+    for entry in entries.values():
+        value = getattr(entry, "value", None)
+        if not isinstance(value, dict):
+            continue
+        epoch, when = value.get("epoch"), value.get("time")
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and isinstance(when, (int, float)):
+            if not value.get("client_mode") and when <= now + MAX_CLOCK_SKEW:
+                epochs.append(epoch)
+    return statistics.median_low(epochs) if epochs else None
+
+
 def _short(subkey: Optional[bytes]) -> str:
     return subkey[-12:].hex() if isinstance(subkey, bytes) else repr(subkey)
