@@ -1,0 +1,340 @@
+"""Is the swarm worth joining? Collaboration efficiency of real trainer swarms over emulated home links (issue 12).
+
+Run from the repository root, as root (each peer gets its own network namespace)::
+
+    python -m benchmarks.swarm                      # the full matrix (about 30 minutes on 2 cores)
+    python -m benchmarks.swarm --quick              # tiny model, solo + sync on broadband: a minute or two
+    python -m benchmarks.swarm --links home --modes solo,sync,sync+overlap --json rows.json --plot swarm.png
+
+One invocation runs ``solo`` first (the compute reference, measured in the same run), then every mode on every
+link, and prints a markdown table: useful samples/s of the swarm, efficiency = swarm samples/s / (N x solo
+samples/s), bytes sent + received per peer per sample (from the namespace interfaces' counters) next to the
+butterfly all-reduce lower bound of the gradients at the wire format, a per-epoch time breakdown and the
+validation loss after the same number of samples as ``solo``. See ``benchmarks/swarm_lib.py`` for how each figure
+is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from benchmarks.swarm_lib import (
+    LINKS,
+    MODES,
+    Row,
+    RunSettings,
+    final_params,
+    measure,
+    run_swarm,
+    validation_loss,
+    wire_bytes_of,
+)
+
+logger = logging.getLogger("benchmarks.swarm")
+
+DEFAULT_LINKS = ("home", "broadband", "lan")
+DEFAULT_MODES = ("solo", "sync", "sync+overlap")
+# --quick: the tiny model, so that peers start, join, average and exit in well under a minute each
+QUICK = dict(
+    links=("broadband",),
+    modes=("solo", "sync"),
+    model_config="tiny",
+    epochs=3,
+    target_batch_size=64,
+    per_device_batch_size=8,
+    max_sequence_length=64,
+    matchmaking_time=2.0,
+    averaging_timeout=20.0,
+    compression_threshold=4096,
+)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.swarm",
+        description=__doc__.split("\n\n")[0] + " Needs root (network namespaces) and iproute2.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Links: "
+        + "; ".join(f"{name} = {link.describe()}" for name, link in LINKS.items())
+        + ". Modes: "
+        + "; ".join(f"{name} = {' '.join(flags) or 'defaults'}" for name, flags in MODES.items())
+        + ".",
+    )
+    parser.add_argument("--quick", action="store_true", help="reduced matrix for tests: " + json.dumps(QUICK))
+    parser.add_argument("--links", help=f"comma-separated link presets (default: {','.join(DEFAULT_LINKS)})")
+    parser.add_argument("--modes", help=f"comma-separated modes, solo first (default: {','.join(DEFAULT_MODES)})")
+    parser.add_argument("--peers", type=int, choices=(2, 3), default=2, help="trainers per swarm (3: oversubscribed)")
+    parser.add_argument("--model_config", help="model preset or JSON file for every peer (default: bench)")
+    parser.add_argument("--epochs", type=int, help="global epochs per run, the first one not measured (default: 4)")
+    parser.add_argument("--target_batch_size", type=int, help="samples per global epoch (default: 128)")
+    parser.add_argument("--per_device_batch_size", type=int, help="samples per local step (default: 4)")
+    parser.add_argument("--max_sequence_length", type=int, help="tokens per sample (default: 128)")
+    parser.add_argument("--matchmaking_time", type=float, help="seconds (default: 5)")
+    parser.add_argument("--averaging_timeout", type=float, help="seconds (default: 60)")
+    parser.add_argument("--compression_threshold", type=int, help="smaller tensors go in fp16 (default: 65536)")
+    parser.add_argument("--run_timeout", type=float, default=900.0, help="seconds one run may take (default: 900)")
+    parser.add_argument("--eval_batches", type=int, default=8, help="validation batches of 8 blocks (default: 8)")
+    parser.add_argument("--json", type=Path, help="write the rows here (rewritten after every run)")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("benchmarks/results/swarm.png"),
+        help="PNG: loss vs samples and vs time, efficiency, bytes per sample (default: %(default)s)",
+    )
+    parser.add_argument("--from_json", type=Path, help="run nothing: print the table (and plot) of saved --json rows")
+    parser.add_argument("--folder", type=Path, help="where the peers' logs, events and timings go (default: temp)")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else {}).items():
+        if key in ("links", "modes"):
+            value = ",".join(value)
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.links = (args.links or ",".join(DEFAULT_LINKS)).split(",")
+    args.modes = (args.modes or ",".join(DEFAULT_MODES)).split(",")
+    for name in args.links:
+        if name not in LINKS:
+            parser.error(f"unknown link {name!r}; choose from {', '.join(LINKS)}")
+    for name in args.modes:
+        if name not in MODES:
+            parser.error(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
+    if "solo" not in args.modes:
+        parser.error("efficiency needs the solo reference: include solo in --modes (e.g. --modes solo,sync)")
+    return args
+
+
+def settings_from(args: argparse.Namespace) -> RunSettings:
+    settings = RunSettings(peers=args.peers)
+    for key in (
+        "model_config",
+        "epochs",
+        "target_batch_size",
+        "per_device_batch_size",
+        "max_sequence_length",
+        "matchmaking_time",
+        "averaging_timeout",
+        "compression_threshold",
+    ):
+        value = getattr(args, key, None)
+        if value is not None:
+            setattr(settings, key, value)
+    return settings
+
+
+def gradient_sizes(model_config: str) -> List[int]:
+    """Element counts of the averaged gradients (every trainable parameter)."""
+    import torch
+
+    from model import LeanGPTForCausalLM, load_config
+
+    with torch.device("meta"):
+        model = LeanGPTForCausalLM(load_config(model_config))
+    return [p.numel() for p in model.parameters() if p.requires_grad]
+
+
+# ----------------------------------------------------------------------------------------------- table
+
+
+def _fmt(value: float, digits: int = 2) -> str:
+    return "—" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.{digits}f}"
+
+
+def table(rows: Sequence[Row]) -> str:
+    head = (
+        "| link | mode | peers | samples/s | efficiency | compute share | KB/sample/peer | bound KB | × bound "
+        "| s/epoch | compute | blocked | matchmaking | grad all-reduce | state avg | opt step | downloads | val loss |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for row in rows:
+        b = row.breakdown
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    row.link,
+                    row.mode + (" (oversubscribed)" if row.peers > 2 else ""),
+                    str(row.peers),
+                    _fmt(row.samples_per_second),
+                    _fmt(row.efficiency),
+                    _fmt(row.compute_share),
+                    _fmt(row.bytes_per_sample / 1e3, 1),
+                    _fmt(row.bound_bytes_per_sample / 1e3, 1),
+                    _fmt(row.bytes_over_bound),
+                    _fmt(row.seconds_per_epoch, 1),
+                    *(
+                        _fmt(b.get(kind, math.nan), 1)
+                        for kind in (
+                            "compute",
+                            "blocked",
+                            "matchmaking",
+                            "grad_allreduce",
+                            "state_allreduce",
+                            "optimizer_step",
+                            "state_download",
+                        )
+                    ),
+                    _fmt(row.validation_loss, 3) + (f" ({row.error})" if row.error else ""),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def write_plot(rows: Sequence[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    for row in rows:
+        if not row.curve:
+            continue
+        label = f"{row.link}/{row.mode}"
+        axes[0][0].plot([c["samples"] for c in row.curve], [c["loss"] for c in row.curve], marker="o", label=label)
+        axes[0][1].plot([c["seconds"] for c in row.curve], [c["loss"] for c in row.curve], marker="o", label=label)
+    axes[0][0].set(xlabel="samples (swarm)", ylabel="training loss", title="loss vs samples")
+    axes[0][1].set(xlabel="seconds since start", ylabel="training loss", title="loss vs wall time")
+    measured = [r for r in rows if r.mode != "solo" and math.isfinite(r.efficiency)]
+    names = [f"{r.link}\n{r.mode}" for r in measured]
+    positions = range(len(measured))
+    axes[1][0].bar([p - 0.2 for p in positions], [r.efficiency for r in measured], width=0.4, label="efficiency")
+    axes[1][0].bar([p + 0.2 for p in positions], [r.compute_share for r in measured], width=0.4, label="compute share")
+    axes[1][0].set_xticks(list(positions), names)
+    axes[1][0].axhline(1.0, color="grey", lw=0.8)
+    axes[1][0].axhline(0.85, color="tab:red", lw=0.8, ls="--", label="target at broadband (0.85)")
+    axes[1][0].set(ylabel="fraction", title="efficiency (swarm ÷ N × solo) and compute share")
+    axes[1][1].bar(names, [r.bytes_per_sample / 1e3 for r in measured], color="tab:orange", label="measured")
+    axes[1][1].scatter(names, [r.bound_bytes_per_sample / 1e3 for r in measured], color="k", zorder=3, label="bound")
+    axes[1][1].set(ylabel="KB per sample per peer", title="bytes on the wire vs all-reduce lower bound")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[1]:
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def rows_from_json(path: Path) -> List[Row]:
+    known = {f.name for f in dataclasses.fields(Row)}
+    return [Row(**{k: v for k, v in item.items() if k in known}) for item in json.loads(path.read_text())]
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def run_matrix(args: argparse.Namespace, folder: Path) -> List[Row]:
+    settings = settings_from(args)
+    wire = wire_bytes_of(gradient_sizes(settings.model_config), settings.compression_threshold)
+    logger.info(
+        "Model %s: gradients %.1f MB on the wire per copy; %d peers, %d epochs of %d samples",
+        settings.model_config,
+        wire / 1e6,
+        settings.peers,
+        settings.epochs,
+        settings.target_batch_size,
+    )
+    plan = [("any", "solo")] + [(link, mode) for link in args.links for mode in args.modes if mode != "solo"]
+    rows: List[Row] = []
+    solo_rate: Optional[float] = None
+    for link, mode in plan:
+        began = time.monotonic()
+        run_folder = folder / f"{link}_{mode.replace('+', '_')}"
+        logger.info("Running %s on %s (%s)", mode, link, run_folder)
+        row = Row(link=link, mode=mode, peers=1 if mode == "solo" else settings.peers)
+        try:
+            peers, sampler, started = run_swarm(
+                run_folder,
+                link_name=args.links[0] if link == "any" else link,
+                mode=mode,
+                settings=settings,
+                timeout=args.run_timeout,
+            )
+            measure(row, peers, sampler, started, wire_bytes=wire, solo_rate=solo_rate)
+        except Exception as e:  # one broken run must not cost the rest of a 30-minute matrix
+            logger.exception("Run %s/%s failed", link, mode)
+            row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            peers = []
+        if mode == "solo":
+            solo_rate = row.samples_per_second if math.isfinite(row.samples_per_second) else None
+            row.efficiency = 1.0 if solo_rate else math.nan
+        try:
+            if peers:
+                row.validation_loss = validation_loss(
+                    final_params(peers),
+                    settings.model_config,
+                    settings.max_sequence_length,
+                    max_batches=args.eval_batches,
+                )
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            logger.warning("Validation loss of %s/%s not measured: %s", link, mode, e)
+        row.wall_seconds = time.monotonic() - began
+        rows.append(row)
+        logger.info(
+            "%s/%s: %.2f samples/s, efficiency %s, %.1f KB/sample (bound %.1f), val loss %s, %.0f s",
+            link,
+            mode,
+            row.samples_per_second,
+            _fmt(row.efficiency),
+            row.bytes_per_sample / 1e3,
+            row.bound_bytes_per_sample / 1e3,
+            _fmt(row.validation_loss, 3),
+            row.wall_seconds,
+        )
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps([r.as_dict() for r in rows], indent=1, default=str))
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("LEANHIVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = parse_args(argv)
+    if args.from_json:
+        rows = rows_from_json(args.from_json)
+        print(table(rows))
+        write_plot(rows, args.plot)
+        return 0
+    from tests.support.netem.hosts import netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason:
+        logger.error("Cannot emulate links here: %s", reason)
+        return 2
+    began = time.monotonic()
+    folder = args.folder or Path(tempfile.mkdtemp(prefix="leanhive-swarm-bench-"))
+    rows = run_matrix(args, folder)
+    settings = settings_from(args)
+    print(
+        f"Command: `python -m benchmarks.swarm {' '.join(sys.argv[1:] if argv is None else argv)}` — "
+        f"model {settings.model_config}, {settings.peers} peers, {settings.epochs} global epochs of "
+        f"{settings.target_batch_size} samples ({settings.per_device_batch_size} × {settings.max_sequence_length} "
+        f"tokens per local step), one torch thread per peer, {os.cpu_count()} cores, {platform.machine()}; "
+        f"wall {time.monotonic() - began:.0f} s; logs in {folder}\n"
+    )
+    print(table(rows))
+    if args.plot:
+        write_plot(rows, args.plot)
+        logger.info("Wrote %s", args.plot)
+    failed = [r for r in rows if r.error]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,451 @@
+"""The parts of ``benchmarks/swarm.py``: run one swarm of real trainers on emulated links, and measure it.
+
+One *run* is N trainer processes (``benchmarks.swarm_peer``: ``run_trainer.py`` with timers), each on its own
+test host (a network namespace from ``tests.support.netem``) behind a tbf bandwidth limit and a delay proxy, all
+training the same model on the same data with the same per-step batch for the same number of global epochs.
+While they train, a thread samples each host's interface counters; afterwards their lifecycle events
+(``epoch_done``), their timers and the final parameters give the row: throughput, efficiency, bytes on the wire
+per sample, a per-epoch time breakdown and the validation loss.
+
+The ``solo`` mode runs N independent single-peer swarms at the same time (one per host, separate run ids): each
+peer trains alone, and the N of them load the 2-core machine as the N peers of a real swarm do, so the
+compute reference is measured under the same CPU contention.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from peer.backup import FINAL_PARAMS_NAME
+from tests.support.faults.swarm import LinkProfile
+from tests.support.netem.hosts import Host, Testbed
+from tests.support.processes import PeerProcess, kill_all
+
+logger = logging.getLogger(__name__)
+
+PORT = 40000  # every trainer listens here on its own host; the others reach it through its proxy
+PEER_MODULE = "benchmarks.swarm_peer"
+TIMINGS_ENV = "LEANHIVE_BENCH_TIMINGS"
+STARTUP = 180.0  # seconds for a peer to import, start its DHT and join on a loaded 2-core machine
+
+LINKS: Dict[str, LinkProfile] = {
+    "home": LinkProfile(mbit=20.0, rtt_ms=100.0),
+    "broadband": LinkProfile(mbit=100.0, rtt_ms=20.0),
+    "lan": LinkProfile(mbit=1000.0, rtt_ms=1.0),
+}
+
+MODES: Dict[str, List[str]] = {
+    "solo": [],
+    # today's defaults: hivemind.Optimizer as CALM and hivemind's ALBERT example use it
+    "sync": [],
+    # communication hidden behind the next accumulation (one step of staleness)
+    "sync+overlap": ["--delay_optimizer_step", "--delay_grad_averaging"],
+    # parameters averaged every 8 epochs instead of every epoch (peers step identically in between)
+    "sync+rare_state": ["--average_state_every", "8"],
+    "sync+overlap+rare_state": ["--delay_optimizer_step", "--delay_grad_averaging", "--average_state_every", "8"],
+}
+"""Mode -> trainer flags added to the common ones."""
+
+BREAKDOWN = (
+    "compute",
+    "blocked",
+    "matchmaking",
+    "grad_allreduce",
+    "state_allreduce",
+    "optimizer_step",
+    "state_download",
+)
+"""Per-epoch time breakdown columns (seconds per global epoch per peer); ``matchmaking`` is the part of the wait for
+the gradient all-reduce that the all-reduce itself does not explain."""
+
+
+@dataclass
+class RunSettings:
+    """What every run of one benchmark invocation shares (rows differ only by link and mode)."""
+
+    model_config: str = "bench"
+    peers: int = 2
+    per_device_batch_size: int = 4
+    # an epoch is 16 local steps of about a second per peer: long enough for a broadband all-reduce to matter
+    # little, short enough for the whole matrix to run in 30 minutes
+    target_batch_size: int = 128
+    epochs: int = 4
+    max_sequence_length: int = 128
+    learning_rate: float = 0.01
+    matchmaking_time: float = 5.0
+    averaging_timeout: float = 60.0
+    compression_threshold: int = 65536
+    extra: List[str] = field(default_factory=list)
+
+    def flags(self) -> List[str]:
+        return [
+            "--model_config",
+            self.model_config,
+            "--per_device_batch_size",
+            str(self.per_device_batch_size),
+            "--target_batch_size",
+            str(self.target_batch_size),
+            "--max_epochs",
+            str(self.epochs),
+            "--max_sequence_length",
+            str(self.max_sequence_length),
+            "--seq_warmup_start_length",
+            "0",
+            "--learning_rate",
+            str(self.learning_rate),
+            "--min_learning_rate",
+            "0.0001",
+            "--warmup_steps",
+            "2",
+            "--total_steps",
+            "100",
+            "--matchmaking_time",
+            str(self.matchmaking_time),
+            "--averaging_timeout",
+            str(self.averaging_timeout),
+            "--compression_threshold",
+            str(self.compression_threshold),
+            "--load_state_timeout",
+            "120",
+            # no final barrier: the peers end the same all-reduce together, and its download would only add minutes
+            "--final_sync_timeout",
+            "0",
+            "--startup_wait",
+            str(STARTUP),
+            "--backup_every_epochs",
+            "0",
+            "--device",
+            "cpu",
+            "--torch_threads",
+            "1",
+            "--rejoin_period",
+            "2",
+            *self.extra,
+        ]
+
+
+@dataclass
+class Row:
+    """One line of the table (and of ``--json``)."""
+
+    link: str
+    mode: str
+    peers: int
+    epochs_measured: int = 0
+    samples_measured: int = 0
+    seconds_measured: float = math.nan
+    samples_per_second: float = math.nan
+    """Useful samples per second of the whole swarm (solo: of one peer)."""
+    efficiency: float = math.nan
+    """samples_per_second / (peers x solo samples per second)."""
+    bytes_per_sample: float = math.nan
+    """Bytes sent + received per peer, per sample that peer trained (interface counters, all protocols)."""
+    bound_bytes_per_sample: float = math.nan
+    """Butterfly all-reduce of the gradients at the wire format, same denominator."""
+    seconds_per_epoch: float = math.nan
+    compute_share: float = math.nan
+    """Share of a peer's wall time spent in forward/backward: what carries over to a GPU, where peers do not share
+    cores (on this 2-core machine solo peers slow each other down more than swarm peers, who wait together)."""
+    breakdown: Dict[str, float] = field(default_factory=dict)
+    """Seconds per global epoch per peer, see BREAKDOWN."""
+    validation_loss: float = math.nan
+    final_epoch: int = 0
+    wall_seconds: float = math.nan
+    exit_codes: List[Optional[int]] = field(default_factory=list)
+    curve: List[Dict[str, float]] = field(default_factory=list)
+    """Per global epoch: swarm samples so far, seconds since the run started, mean training loss."""
+    error: Optional[str] = None
+
+    @property
+    def bytes_over_bound(self) -> float:
+        return self.bytes_per_sample / self.bound_bytes_per_sample if self.bound_bytes_per_sample else math.nan
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "bytes_over_bound": self.bytes_over_bound}
+
+
+# ------------------------------------------------------------------------------------ bytes on the wire
+
+
+def wire_bytes_of(tensor_sizes: Sequence[int], threshold: int) -> int:
+    """Bytes of one copy of the gradients in the adaptive wire format: 8-bit blockwise for tensors of at least
+    ``threshold`` elements (one byte per value plus an fp32 scale per 4096-value block), fp16 below."""
+    total = 0
+    for size in tensor_sizes:
+        total += size + 4 * math.ceil(size / 4096) if size >= threshold else 2 * size
+    return total
+
+
+def allreduce_bound_per_epoch(wire_bytes: int, peers: int) -> float:
+    """Bytes a peer sends plus receives in one butterfly all-reduce: it sends (N-1)/N of its vector and receives
+    the same in the reduce-scatter, and again in the all-gather."""
+    return 4.0 * (peers - 1) / peers * wire_bytes if peers > 1 else 0.0
+
+
+def interface_bytes(host: Host) -> int:
+    """tx + rx bytes of the host's link so far (every protocol: TCP/IP headers, DHT, averaging)."""
+    out = subprocess.run(
+        ["ip", "-n", host.name, "-s", "-j", "link", "show", "eth0"], capture_output=True, text=True, timeout=10
+    )
+    stats = json.loads(out.stdout)[0]["stats64"]
+    return int(stats["tx"]["bytes"]) + int(stats["rx"]["bytes"])
+
+
+class CounterSampler(threading.Thread):
+    """Samples every host's interface counters about once a second, so that bytes can be read for any window."""
+
+    def __init__(self, hosts: Sequence[Host], period: float = 1.0):
+        super().__init__(daemon=True, name="counter-sampler")
+        self.hosts, self.period = list(hosts), period
+        self.samples: List[Tuple[float, List[int]]] = []
+        self._stop_event = threading.Event()
+
+    def sample(self) -> None:
+        try:
+            self.samples.append((time.time(), [interface_bytes(host) for host in self.hosts]))
+        except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as e:
+            logger.warning("Could not read interface counters: %s", e)
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.period):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=10)
+        self.sample()
+
+    def at(self, moment: float) -> List[float]:
+        """Counters of every host at ``moment``, interpolated linearly between the samples around it."""
+        if not self.samples:
+            return [math.nan] * len(self.hosts)
+        before = [s for s in self.samples if s[0] <= moment]
+        after = [s for s in self.samples if s[0] >= moment]
+        if not before:
+            return [float(v) for v in after[0][1]]
+        if not after:
+            return [float(v) for v in before[-1][1]]
+        (t0, v0), (t1, v1) = before[-1], after[0]
+        weight = 0.0 if t1 == t0 else (moment - t0) / (t1 - t0)
+        return [a + (b - a) * weight for a, b in zip(v0, v1)]
+
+
+# ------------------------------------------------------------------------------------------ one run
+
+
+class BenchPeer(PeerProcess):
+    """A timed trainer inside a test host."""
+
+    def __init__(self, args: Sequence[str], *, name: str, folder: Path, host: Host):
+        self.folder = folder / name
+        self.timings_path = folder / f"{name}.timings.jsonl"
+        super().__init__(
+            args,
+            name=name,
+            log_path=folder / f"{name}.log",
+            module=PEER_MODULE,
+            env={TIMINGS_ENV: str(self.timings_path)},
+            events_path=folder / f"{name}.events.jsonl",
+        )
+        self.host = host
+        self.command = host.command(self.command)  # `ip netns exec` execs: the pid is python's
+
+    def start(self) -> "BenchPeer":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.timings_path.write_bytes(b"")
+        super().start()
+        return self
+
+    def timings(self) -> List[dict]:
+        if not self.timings_path.exists():
+            return []
+        return [json.loads(line) for line in self.timings_path.read_text().splitlines() if line.strip()]
+
+
+def run_swarm(
+    folder: Path, *, link_name: str, mode: str, settings: RunSettings, timeout: float
+) -> Tuple[List[BenchPeer], CounterSampler, float]:
+    """Start N trainers on emulated links, wait for them to finish ``settings.epochs`` global epochs; returns the
+    (exited) peers, the counter samples and the start time. Hosts and processes are gone when it returns."""
+    link = LINKS[link_name]
+    folder.mkdir(parents=True, exist_ok=True)
+    peers: List[BenchPeer] = []
+    started = time.time()
+    with Testbed(settings.peers) as testbed:
+        proxies = []
+        for host in testbed.hosts:
+            testbed.set_bandwidth(host, link.mbit)
+            proxies.append(testbed.start_proxy(host, PORT, settings=link.proxy_settings()))
+        sampler = CounterSampler(testbed.hosts)
+        sampler.sample()
+        sampler.start()
+        try:
+            solo = mode == "solo"
+            initial: List[str] = []
+            for index, host in enumerate(testbed.hosts):
+                name = f"peer{index}"
+                args = [
+                    "--run_id",
+                    f"bench_{mode.replace('+', '_')}_{index}" if solo else f"bench_{mode.replace('+', '_')}",
+                    *settings.flags(),
+                    *MODES[mode],
+                    "--min_peers",
+                    "1" if solo else str(settings.peers),
+                    "--host_maddrs",
+                    f"/ip4/{host.ip}/tcp/{PORT}",
+                    "--announce_maddrs",
+                    proxies[index].maddr,
+                    "--identity_path",
+                    str(folder / name / "identity.key"),
+                    "--output_dir",
+                    str(folder / name),
+                ]
+                if initial and not solo:
+                    args += ["--initial_peers", *initial]
+                peer = BenchPeer(args, name=name, folder=folder, host=host)
+                peers.append(peer.start())
+                if index == 0 and not solo:
+                    initial = peer.initial_peers(STARTUP)
+            deadline = time.monotonic() + timeout
+            for peer in peers:
+                try:
+                    peer.wait(max(1.0, deadline - time.monotonic()))
+                except TimeoutError as e:
+                    logger.warning("%s", str(e).splitlines()[0])
+        finally:
+            sampler.stop()
+            kill_all(peers)
+    return peers, sampler, started
+
+
+# ------------------------------------------------------------------------------------------ measures
+
+
+def _epochs(peer: BenchPeer) -> Dict[int, dict]:
+    return {int(e["epoch"]): e for e in peer.events.all("epoch_done")}
+
+
+def measure(
+    row: Row,
+    peers: Sequence[BenchPeer],
+    sampler: CounterSampler,
+    started: float,
+    *,
+    wire_bytes: int,
+    solo_rate: Optional[float],
+) -> Row:
+    """Fill ``row`` from what the peers wrote. The window runs from the end of the first global epoch every peer
+    finished (startup and joining left out) to the end of the last one."""
+    solo = row.mode == "solo"
+    done = [_epochs(peer) for peer in peers]
+    row.exit_codes = [peer.poll() for peer in peers]
+    row.final_epoch = min((max(d) + 1 if d else 0) for d in done)
+    common = sorted(set.intersection(*(set(d) for d in done))) if done else []
+    if len(common) < 2:
+        row.error = f"fewer than 2 global epochs finished by every peer (exit codes {row.exit_codes})"
+        return row
+    first, last = common[0], common[-1]
+    if solo:  # independent peers: each one's own window, rates averaged
+        rates, spans, samples = [], [], 0
+        for d in done:
+            span = d[last]["time"] - d[first]["time"]
+            measured = sum(int(d[e]["samples"]) for e in d if first < e <= last)
+            rates.append(measured / span)
+            spans.append(span)
+            samples += measured
+        row.samples_per_second = sum(rates) / len(rates)
+        row.seconds_measured = sum(spans) / len(spans)
+        windows = [(d[first]["time"], d[last]["time"]) for d in done]
+    else:
+        start = max(d[first]["time"] for d in done)
+        end = max(d[last]["time"] for d in done)
+        samples = sum(int(d[e]["samples"]) for d in done for e in d if first < e <= last)
+        row.seconds_measured = end - start
+        row.samples_per_second = samples / (end - start)
+        windows = [(start, end)] * len(peers)
+    row.epochs_measured = last - first
+    row.samples_measured = samples
+    row.seconds_per_epoch = row.seconds_measured / row.epochs_measured
+    if solo_rate:
+        row.efficiency = row.samples_per_second / ((1 if solo else row.peers) * solo_rate)
+
+    # bytes: each peer's interface over its window, per sample trained in it
+    moved = 0.0
+    for index, (start, end) in enumerate(windows):
+        moved += sampler.at(end)[index] - sampler.at(start)[index]
+    row.bytes_per_sample = moved / samples
+    epochs_of_all_peers = row.epochs_measured * (1 if solo else len(peers))
+    row.bound_bytes_per_sample = (
+        allreduce_bound_per_epoch(wire_bytes, 1 if solo else row.peers) * epochs_of_all_peers / samples
+    )
+
+    # time breakdown: intervals that start inside the window, per epoch per peer
+    totals = {kind: 0.0 for kind in BREAKDOWN}
+    for peer, (start, end) in zip(peers, windows):
+        for item in peer.timings():
+            if start <= item["start"] < end and item["kind"] in totals:
+                totals[item["kind"]] += item["end"] - item["start"]
+    per = {kind: value / (row.epochs_measured * len(peers)) for kind, value in totals.items()}
+    per["grad_wait"] = 0.0
+    for peer, (start, end) in zip(peers, windows):
+        per["grad_wait"] += sum(
+            i["end"] - i["start"] for i in peer.timings() if i["kind"] == "grad_wait" and start <= i["start"] < end
+        )
+    per["grad_wait"] /= row.epochs_measured * len(peers)
+    per["matchmaking"] = max(0.0, per["grad_wait"] - per["grad_allreduce"]) if not _overlaps(row.mode) else math.nan
+    row.breakdown = per
+    row.compute_share = per["compute"] / row.seconds_per_epoch
+
+    # curve for the plot: swarm samples so far and the mean training loss, per global epoch (peer 0's clock)
+    swarm_samples = 0
+    for epoch in sorted(set().union(*(set(d) for d in done))):
+        events = [d[epoch] for d in done if epoch in d]
+        swarm_samples += sum(int(e["samples"]) for e in events) // (len(peers) if solo else 1)
+        losses = [e["loss"] for e in events if e.get("loss") is not None]
+        row.curve.append(
+            dict(
+                epoch=epoch,
+                samples=swarm_samples,
+                seconds=max(e["time"] for e in events) - started,
+                loss=sum(losses) / len(losses) if losses else math.nan,
+            )
+        )
+    return row
+
+
+def _overlaps(mode: str) -> bool:
+    """In overlap mode the gradient wait runs beside the next accumulation: matchmaking cannot be told apart."""
+    return "overlap" in mode
+
+
+# ------------------------------------------------------------------------------------ validation loss
+
+
+def validation_loss(params_path: Path, model_config: str, max_sequence_length: int, *, max_batches: int) -> float:
+    """Mean next-token loss of the final parameters on the shipped corpus's validation split."""
+    from aux_monitor.evaluation import evaluate
+    from model import LeanGPTForCausalLM, load_config
+    from peer.swarm.data import DataArguments, build_validation_dataset, load_tokenizer
+
+    if not params_path.exists():
+        return math.nan
+    saved = torch.load(params_path, map_location="cpu", weights_only=True)
+    model = LeanGPTForCausalLM(load_config(model_config))
+    model.load_state_dict(saved["params"])
+    data = DataArguments(max_sequence_length=max_sequence_length, seq_warmup_start_length=0)
+    blocks = build_validation_dataset(data, load_tokenizer(data))
+    return evaluate(model, blocks, epoch=int(saved["epoch"]), batch_size=8, max_batches=max_batches).loss
+
+
+def final_params(peers: Sequence[BenchPeer]) -> Path:
+    return peers[0].folder / FINAL_PARAMS_NAME

@@ -1,0 +1,101 @@
+"""The trainer as ``benchmarks/swarm.py`` runs it: ``run_trainer.py`` plus timers around the parts of a global epoch.
+
+Run from the repository root (same flags as ``run_trainer.py``)::
+
+    LEANHIVE_BENCH_TIMINGS=timings.jsonl python -m benchmarks.swarm_peer --config tiny ...
+
+Each timed interval is appended to the file named by ``LEANHIVE_BENCH_TIMINGS`` as one JSON line
+``{"kind": ..., "start": <unix time>, "end": <unix time>, "pid": ...}``; the benchmark sums them per epoch.
+Kinds: ``compute`` (forward and backward of a local step), ``blocked`` (the training loop inside
+``optimizer.step``: everything the swarm makes it wait for), ``grad_wait`` (waiting for the gradient all-reduce,
+matchmaking included), ``grad_allreduce`` / ``state_allreduce`` (one all-reduce round of the gradient / state
+averager, measured in the averager process), ``optimizer_step`` (8-bit LAMB) and ``state_download``.
+
+Nothing here changes what the trainer does: the timers wrap methods and return their results untouched. The
+averager classes are wrapped before the trainer builds its optimizer, so the forked averager processes inherit it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from typing import Callable
+
+import peer.cli
+from peer.swarm.hivemind_seam.averaging import LeanHiveGradientAverager, LeanHiveStateAverager
+from peer.trainer import TrainerPeer
+
+TIMINGS_ENV = "LEANHIVE_BENCH_TIMINGS"
+
+
+def record(kind: str, start: float, end: float) -> None:
+    """Append one interval (O_APPEND writes of one short line: safe from several processes and threads)."""
+    path = os.environ.get(TIMINGS_ENV)
+    if not path:
+        return
+    line = json.dumps({"kind": kind, "start": start, "end": end, "pid": os.getpid()}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def timed(kind: str, function: Callable) -> Callable:
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        start = time.time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            record(kind, start, time.time())
+
+    return wrapper
+
+
+def timed_allreduce(kind: str, averager_class: type) -> None:
+    """Time each all-reduce round of ``averager_class`` (it runs in the averager's own process)."""
+    original = averager_class._run_allreduce_inplace_
+
+    @functools.wraps(original)
+    async def wrapper(self, *args, **kwargs):
+        start = time.time()
+        try:
+            return await original(self, *args, **kwargs)
+        finally:
+            record(kind, start, time.time())
+
+    averager_class._run_allreduce_inplace_ = wrapper
+
+
+class TimedTrainerPeer(TrainerPeer):
+    def start(self) -> None:
+        super().start()
+        optimizer = self.optimizer
+        # instance attributes: hivemind looks these up on the optimizer each time it calls them
+        optimizer.step = timed("blocked", optimizer.step)
+        optimizer._average_gradients_and_load_into_optimizer = timed(
+            "grad_wait", optimizer._average_gradients_and_load_into_optimizer
+        )
+        optimizer.state_averager.optimizer.step = timed("optimizer_step", optimizer.state_averager.optimizer.step)
+        optimizer.load_state_from_peers = timed("state_download", optimizer.load_state_from_peers)
+
+    def _accumulate_gradients(self) -> float:
+        start = time.time()
+        try:
+            return super()._accumulate_gradients()
+        finally:
+            record("compute", start, time.time())
+
+
+def main() -> int:
+    timed_allreduce("grad_allreduce", LeanHiveGradientAverager)
+    timed_allreduce("state_allreduce", LeanHiveStateAverager)
+    return peer.cli.main(peer_class=TimedTrainerPeer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
