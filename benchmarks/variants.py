@@ -163,6 +163,10 @@ def lean_builder(*, reversible: bool = False, **memory_options) -> Callable[[Ben
     return build
 
 
+# chunks of the reversible backward in the lean_reversible_chunked row: FFN tokens, attention heads
+REV_CHUNK_TOKENS, REV_CHUNK_HEADS = 256, 4
+
+
 def base_variants() -> list[Variant]:
     """The full-precision rows, references first."""
     return [
@@ -174,6 +178,12 @@ def base_variants() -> list[Variant]:
         Variant("lean_no_custom", lean_builder(custom_ffn=False, custom_attention=False)),
         Variant("lean_ckpt", lean_builder(checkpoint_layers=True), checkpointed=True),
         Variant("lean_reversible", lean_builder(reversible=True)),
+        Variant(
+            "lean_reversible_chunked",
+            lean_builder(
+                reversible=True, reversible_chunk_tokens=REV_CHUNK_TOKENS, reversible_chunk_heads=REV_CHUNK_HEADS
+            ),
+        ),
     ]
 
 
@@ -206,10 +216,10 @@ def _reversible_is_implemented() -> bool:
 
 def unavailable_reason(name: str) -> str | None:
     """Why a lean mode cannot be measured with the checked-out ``model/``; None if it can."""
-    if name not in ("lean_no_custom", "lean_ckpt", "lean_reversible"):
+    if name not in ("lean_no_custom", "lean_ckpt", "lean_reversible", "lean_reversible_chunked"):
         return None
     if not hasattr(lean_model, "apply_memory_options"):
         return "model.apply_memory_options does not exist yet (lean internals not merged)"
-    if name == "lean_reversible" and not _reversible_is_implemented():
+    if name.startswith("lean_reversible") and not _reversible_is_implemented():
         return "LeanTransformerConfig(reversible=True) is accepted but not implemented (output unchanged)"
     return None

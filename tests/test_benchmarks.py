@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import memlib
 from benchmarks.memory import MemoryBenchConfig
 from benchmarks.variants import SIZES, base_variants
+from peer import memlib
 
 REPO = Path(__file__).resolve().parents[1]
 FLOAT = 4  # bytes per fp32 element
