@@ -27,8 +27,10 @@ from typing import Callable, List, Optional
 
 import torch
 
-from model import LeanGPTForCausalLM, LeanTransformerConfig, apply_memory_options
+from model import LeanGPTForCausalLM, LeanTransformerConfig, apply_memory_options, load_config
 from peer import memlib
+from peer.model_setup import choose_placement
+from peer.swarm.config import TrainingArguments
 from peer.swarm.validate import require
 
 logger = logging.getLogger(__name__)
@@ -116,11 +118,17 @@ class Candidate:
         return options
 
     def speed_rank(self) -> tuple:
-        """Smaller is faster (a ranking, not a prediction)."""
-        recompute = self.checkpoint_layers
-        chunks = (self.reversible_chunk_tokens > 0) + (self.reversible_chunk_heads > 0)
-        finest = -min(x for x in (self.reversible_chunk_tokens, 10**9) if x) if chunks else 0
-        return (recompute, self.precision == "fp32", -self.per_device_batch_size, chunks, finest)
+        """Smaller is faster (a ranking, not a prediction): no recomputation, half precision, large
+        micro-batches, then fewer and larger chunks."""
+        unchunked = 10**9
+        return (
+            self.checkpoint_layers,
+            self.precision == "fp32",
+            -self.per_device_batch_size,
+            -(self.reversible_chunk_tokens or unchunked),
+            -(self.reversible_chunk_heads or unchunked),
+            -(self.loss_chunk_size or unchunked),
+        )
 
 
 @dataclass
@@ -369,3 +377,35 @@ def precisions_for(device: torch.device, requested: str) -> List[str]:
     if device.type != "cuda":
         return ["fp32"]
     return ["fp16", "fp32"]  # as --precision auto: fp16 (with the trainer's GradScaler) on CUDA
+
+
+def plan_for_training(training: TrainingArguments, seq_len: int, args: MemoryPlanArguments) -> MemoryPlan:
+    """The plan for a trainer's arguments: its model, device, requested precision and samples per step."""
+    placement = choose_placement(training)
+    config = load_config(training.model_config)
+    return make_plan(
+        config,
+        budget_bytes=resolve_budget(args, placement.device),
+        seq_len=seq_len,
+        samples_per_step=training.per_device_batch_size * training.gradient_accumulation_steps,
+        device=placement.device,
+        precisions=precisions_for(placement.device, training.precision),
+    )
+
+
+def apply_plan(training: TrainingArguments, plan: MemoryPlan, reversible: bool) -> TrainingArguments:
+    """Training arguments with the plan's choices (the planner overrides the flags it chooses)."""
+    if plan.chosen is None:
+        raise ValueError(
+            f"no configuration fits the memory budget of {format_size(plan.budget_bytes)}: the smallest needs "
+            f"{format_size(plan.needed_bytes)}; raise --memory_budget to at least that, or pick a smaller "
+            "model or --max_sequence_length"
+        )
+    chosen = plan.chosen.candidate
+    return dataclasses.replace(
+        training,
+        per_device_batch_size=chosen.per_device_batch_size,
+        gradient_accumulation_steps=chosen.gradient_accumulation_steps,
+        precision=chosen.precision,
+        **chosen.memory_options(reversible),
+    )
