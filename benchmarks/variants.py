@@ -165,6 +165,8 @@ def lean_builder(*, reversible: bool = False, **memory_options) -> Callable[[Ben
 
 # chunks of the reversible backward in the lean_reversible_chunked row: FFN tokens, attention heads
 REV_CHUNK_TOKENS, REV_CHUNK_HEADS = 256, 4
+# with the default 256-token loss chunk the LM head's logits (31.25 MiB at the default size) set that row's peak
+REV_LOSS_CHUNK = 128
 
 
 def base_variants() -> list[Variant]:
@@ -181,7 +183,10 @@ def base_variants() -> list[Variant]:
         Variant(
             "lean_reversible_chunked",
             lean_builder(
-                reversible=True, reversible_chunk_tokens=REV_CHUNK_TOKENS, reversible_chunk_heads=REV_CHUNK_HEADS
+                reversible=True,
+                reversible_chunk_tokens=REV_CHUNK_TOKENS,
+                reversible_chunk_heads=REV_CHUNK_HEADS,
+                loss_chunk_size=REV_LOSS_CHUNK,
             ),
         ),
     ]

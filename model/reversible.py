@@ -59,8 +59,7 @@ class _StackCall:
 def reversible_stack(sublayers, hidden, rotary, key_padding_mask, chunks: ReversibleChunks, autocast) -> torch.Tensor:
     """x + f1 + g1 + ... computed reversibly (see the module docstring); backward is chunked."""
     call = _StackCall(list(sublayers), rotary, key_padding_mask, chunks, autocast)
-    out0, out1 = _ChunkedReversibleFunction.apply(hidden, call)
-    return out0 + out1 - hidden
+    return _ChunkedReversibleFunction.apply(hidden, call)
 
 
 class _ChunkedReversibleFunction(torch.autograd.Function):
@@ -70,21 +69,21 @@ class _ChunkedReversibleFunction(torch.autograd.Function):
         rng_states = []
         for sublayer in call.sublayers:
             rng_states.append(torch.get_rng_state())  # dropout seeds are drawn from the CPU generator
+            # a + f(b) in place in a, once a is a buffer of this forward (the first a is the input)
+            target = hidden.clone() if stream0 is hidden else stream0
             with call.autocast.context():
-                update = sublayer(stream1, call.rotary, call.key_padding_mask)
-            stream0, stream1 = stream1, stream0 + update
-            del update
+                _add_update(sublayer, stream1, target, call)
+            stream0, stream1 = stream1, target
         ctx.call, ctx.rng_states = call, rng_states
         ctx.save_for_backward(stream0, stream1)
-        return stream0, stream1
+        return stream0 + stream1 - hidden
 
     @staticmethod
-    def backward(ctx, grad0: torch.Tensor, grad1: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):
         call: _StackCall = ctx.call
         # the saved streams become the working buffers (rebuilt in place, layer by layer): no second backward
         out0, out1 = ctx.saved_tensors
-        grad0 = torch.zeros_like(out0) if grad0 is None else grad0.contiguous().clone()
-        grad1 = torch.zeros_like(out1) if grad1 is None else grad1.contiguous().clone()
+        grad0, grad1 = grad.contiguous().clone(), grad.contiguous().clone()
         for sublayer, rng_state in zip(reversed(call.sublayers), reversed(ctx.rng_states)):
             # out0 = b (the sub-layer input), out1 = a + f(b): out1 becomes a, grad0 becomes grad(b)
             with torch.random.fork_rng(devices=[]):
@@ -93,7 +92,28 @@ class _ChunkedReversibleFunction(torch.autograd.Function):
                     _sublayer_backward(sublayer, out0, out1, grad0, grad1, call)
             out0, out1 = out1, out0
             grad0, grad1 = grad1, grad0
-        return grad0.add_(grad1), None
+        return grad0.add_(grad1).sub_(grad), None
+
+
+def _add_update(sublayer, x, target, call: _StackCall) -> None:
+    """``target += f(x)`` without grad; the FFN runs ``chunks.tokens`` tokens at a time, as in backward."""
+    if not (isinstance(sublayer, LeanFFN) and call.chunks.tokens):
+        target.add_(sublayer(x, call.rotary, call.key_padding_mask))
+        return
+    spec = sublayer.spec(x)
+    mask = _output_mask(spec, x)
+    chunk_spec = dataclasses.replace(spec, dropout_seed=None)
+    x, target = x.view(1, -1, x.shape[-1]), target.view(1, -1, target.shape[-1])
+    for rows in _token_ranges(x.shape[1], call.chunks.tokens):
+        update = sublayer.run(x[:, rows], chunk_spec)
+        target[:, rows].add_(update if mask is None else update.mul_(mask.view_as(x)[:, rows]))
+
+
+def _output_mask(spec, x) -> Optional[torch.Tensor]:
+    """The sub-layer's hidden-dropout mask for the whole output (forward draws one of the output's shape)."""
+    if spec.dropout_seed is None:
+        return None
+    return keep_mask(x.shape, spec.dropout_p, spec.dropout_seed, x.device, spec.compute.dtype).to(x.dtype)
 
 
 def _sublayer_backward(sublayer, x, out, grad_x, grad_out, call: _StackCall) -> None:
@@ -135,9 +155,7 @@ def _token_ranges(tokens: int, chunk: int) -> List[slice]:
 
 def _generic_backward(run, spec, x, out, grad_x, grad_out, chunk_tokens: int) -> None:
     """Recompute f on token chunks with autograd; the hidden-dropout mask is drawn once for the whole output."""
-    mask = None
-    if spec.dropout_seed is not None:  # the forward drew one mask of the output's shape, in the compute dtype
-        mask = keep_mask(x.shape, spec.dropout_p, spec.dropout_seed, x.device, spec.compute.dtype).to(x.dtype)
+    mask = _output_mask(spec, x)
     chunk_spec = dataclasses.replace(spec, dropout_seed=None)
     if chunk_tokens:  # [batch, seq, hidden] -> [1, tokens, hidden] views: sub-layers only see their last dim
         x, out, grad_x, grad_out = (t.view(1, -1, t.shape[-1]) for t in (x, out, grad_x, grad_out))
@@ -219,13 +237,17 @@ def _attention_backward_by_heads(sublayer: LeanSelfAttention, spec, x, out, grad
             grad_out, pre_sandwich, sandwich_w, sandwich_b, spec.eps, spec.dropout_p, spec.dropout_seed, dtype
         )
         grad_y_2d = grad_y.reshape(-1, hidden)
-        y = torch.zeros(x.shape, dtype=dtype, device=x.device) if sandwich is None else None
+        # without a tail (no sandwich norm, no dropout) f(x) = y: each group's share comes off ``out`` directly
+        direct = sandwich is None and spec.dropout_seed is None
+        y = torch.zeros(x.shape, dtype=dtype, device=x.device) if sandwich is None and not direct else None
         grad_normed = torch.zeros_like(normed)
         for group in groups:
             rows, columns = group
             weight, qkv, (q, k, v), attn, lse = group_forward(group)
             attn_flat = attn.transpose(1, 2).flatten(2)
-            if y is not None:
+            if direct:
+                out.sub_(project_out(attn, columns))
+            elif y is not None:
                 y.add_(project_out(attn, columns))
             out_w = out_weight[:, columns].to(dtype)
             grad_attn = torch.matmul(grad_y, out_w)
@@ -256,13 +278,17 @@ def _attention_backward_by_heads(sublayer: LeanSelfAttention, spec, x, out, grad
         if out_bias is not None:
             _add_grad(out_bias, grad_y_2d.sum(0))
         del grad_y, grad_y_2d
-        if y is not None:
-            pre_sandwich = total_y(y)
-        update, _ = tail_forward(
-            pre_sandwich, x, sandwich_w, sandwich_b, spec.eps, spec.dropout_p, spec.dropout_seed, residual=False
-        )
-        out.sub_(update)
-        del update, pre_sandwich
+        if direct:
+            if out_bias is not None:
+                out.sub_(out_bias.to(dtype))
+        else:
+            if y is not None:
+                pre_sandwich = total_y(y)
+            update, _ = tail_forward(
+                pre_sandwich, x, sandwich_w, sandwich_b, spec.eps, spec.dropout_p, spec.dropout_seed, residual=False
+            )
+            out.sub_(update)
+            del update, pre_sandwich
         grad_input, grad_nw, grad_nb = norm_input_backward(
             grad_normed, x, mean, rstd, norm_w, norm_b, grad_out, residual=False
         )
