@@ -151,11 +151,14 @@ def lean_config(size: BenchSize, layers: int, **overrides) -> LeanTransformerCon
     )
 
 
-def lean_builder(*, reversible: bool = False, **memory_options) -> Callable[[BenchSize, int], torch.nn.Module]:
-    """LeanGPTForCausalLM with rotary positions; ``memory_options`` go to ``apply_memory_options``."""
+def lean_builder(
+    *, reversible: bool = False, architecture: dict | None = None, **memory_options
+) -> Callable[[BenchSize, int], torch.nn.Module]:
+    """LeanGPTForCausalLM with rotary positions; ``architecture`` holds more config fields (sharing,
+    PixelFly), ``memory_options`` go to ``apply_memory_options``."""
 
     def build(size: BenchSize, layers: int) -> torch.nn.Module:
-        model = LeanGPTForCausalLM(lean_config(size, layers, reversible=reversible))
+        model = LeanGPTForCausalLM(lean_config(size, layers, reversible=reversible, **(architecture or {})))
         if memory_options:
             model = lean_model.apply_memory_options(model, **memory_options)
         return model.train()

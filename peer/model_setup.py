@@ -62,11 +62,7 @@ def choose_placement(args: TrainingArguments) -> Placement:
 
 def apply_memory_options(model: torch.nn.Module, args: TrainingArguments) -> None:
     """The one place where memory options are applied to a built model (model/ owns how)."""
-    options = {
-        name: getattr(args, name)
-        for name in MEMORY_OPTION_FIELDS
-        if getattr(args, name) is not None
-    }
+    options = {name: getattr(args, name) for name in MEMORY_OPTION_FIELDS if getattr(args, name) is not None}
     if options:
         model_memory_options(model, **options)
         logger.info("Memory options: %s", ", ".join(f"{k}={v}" for k, v in options.items()))
