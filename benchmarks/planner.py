@@ -44,7 +44,7 @@ MATRIX = [
     ("tiny", 64, (1.2, 2.0, 6.0)),
     ("tiny", 256, (1.2, 2.0, 6.0)),
     ("tiny_reversible", 256, (1.1, 1.5, 3.0)),
-    ("small", 64, (1.05, 1.3)),
+    ("small", 128, (1.05, 1.15, 1.5)),
 ]
 QUICK_MATRIX = [("tiny", 64, (1.5,)), ("tiny_reversible", 64, (1.5,))]
 
@@ -143,12 +143,13 @@ def run_model(name: str, seq_len: int, factors, args, device) -> list[PlannerRow
     return rows
 
 
-def _fmt_candidate(values: dict | None) -> str:
+def _fmt_candidate(values: dict | None, reversible: bool) -> str:
     if values is None:
         return "-"
     layers = "ckpt" if values["checkpoint_layers"] else "plain"
-    if values["reversible_chunk_tokens"] or values["reversible_chunk_heads"]:
-        layers = f"rev {values['reversible_chunk_tokens']}t/{values['reversible_chunk_heads']}h"
+    if reversible:
+        chunks = values["reversible_chunk_tokens"], values["reversible_chunk_heads"]
+        layers = f"rev {chunks[0]}t/{chunks[1]}h" if any(chunks) else "revlib"
     return (
         f"b{values['per_device_batch_size']}x{values['gradient_accumulation_steps']} {layers} "
         f"loss{values['loss_chunk_size']} {values['precision']}"
@@ -162,12 +163,14 @@ def table(rows: list[PlannerRow]) -> str:
     )
     lines = [header, "|" + "---|" * 14]
     for row in rows:
+        reversible = MODELS[row.model][1].get("reversible", False)
         error = "-" if row.prediction_error is None else f"{row.prediction_error:+.1%}"
         ratio = "-" if row.throughput_ratio is None else f"{row.throughput_ratio:.2f}"
         lines.append(
-            f"| {row.model} | {row.seq_len} | {row.budget_bytes / MIB:.1f} | {_fmt_candidate(row.chosen)} | "
+            f"| {row.model} | {row.seq_len} | {row.budget_bytes / MIB:.1f} | "
+            f"{_fmt_candidate(row.chosen, reversible)} | "
             f"{(row.predicted_bytes or 0) / MIB:.1f} | {(row.measured_bytes or 0) / MIB:.1f} | {error} | "
-            f"{row.chosen_samples_per_s or 0:.2f} | {_fmt_candidate(row.best_grid)} | "
+            f"{row.chosen_samples_per_s or 0:.2f} | {_fmt_candidate(row.best_grid, reversible)} | "
             f"{row.best_grid_samples_per_s or 0:.2f} | {ratio} | {row.grid_fitting}/{row.grid_size} | "
             f"{row.seconds:.0f} | {row.verdict()} |"
         )
