@@ -164,3 +164,18 @@ def test_plan_only_prints_a_json_line_and_a_table_then_exits(tmp_path):
     plan = json.loads(first)
     assert plan["fits"] and plan["budget_bytes"] == 2**30 and plan["device"] == "cpu"
     assert any("CHOSEN" in line for line in rest)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the planner measures max_memory_allocated")
+def test_cuda_plan_fits_and_predicts_within_ten_percent():
+    cuda = torch.device("cuda")
+    config = _config()
+    roomy = make_plan(config, budget_bytes=2**34, seq_len=64, samples_per_step=8, device=cuda, precisions=["fp16"])
+    budget = (roomy.needed_bytes + roomy.chosen.predicted_bytes) // 2
+    plan = make_plan(config, budget_bytes=budget, seq_len=64, samples_per_step=8, device=cuda, precisions=["fp16"])
+    chosen = plan.chosen.candidate
+    torch.manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (chosen.per_device_batch_size, 64), device=cuda)
+    measured = measure_peak_bytes(build_for(config, chosen, cuda), ids, chosen.autocast_dtype)
+    assert measured <= budget
+    assert abs(plan.chosen.predicted_bytes / measured - 1) <= 0.10
