@@ -75,13 +75,9 @@ class LeanSelfAttention(_PreNormSublayer):
         self.qkv = make_projection(config, hidden, 3 * hidden, shared.get("qkv"))
         self.out = make_projection(config, hidden, hidden, shared.get("out"))
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rotary: Optional[RotaryTables] = None,
-        key_padding_mask: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        spec = AttentionSpec(
+    def spec(self, hidden: torch.Tensor) -> AttentionSpec:
+        """The non-tensor part of one call; draws the dropout seeds (global RNG), as forward does."""
+        return AttentionSpec(
             qkv=self.qkv,
             out=self.out,
             num_heads=self.num_heads,
@@ -94,6 +90,22 @@ class LeanSelfAttention(_PreNormSublayer):
             residual=self.residual,
             compute=self._compute_context(hidden),
         )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: Optional[RotaryTables] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return self.run(hidden, self.spec(hidden), rotary, key_padding_mask)
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        spec: AttentionSpec,
+        rotary: Optional[RotaryTables] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         cos, sin = rotary if rotary is not None else (None, None)
         run = attention_custom if self.custom else attention_plain
         return run(
@@ -129,7 +141,11 @@ class LeanFFN(_PreNormSublayer):
         key_padding_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         del rotary, key_padding_mask  # same signature as attention, so stacks can treat sub-layers alike
-        spec = FFNSpec(
+        return self.run(hidden, self.spec(hidden))
+
+    def spec(self, hidden: torch.Tensor) -> FFNSpec:
+        """The non-tensor part of one call; draws the dropout seed (global RNG), as forward does."""
+        return FFNSpec(
             up=self.up,
             down=self.down,
             activation=self.activation,
@@ -140,6 +156,8 @@ class LeanFFN(_PreNormSublayer):
             residual=self.residual,
             compute=self._compute_context(hidden),
         )
+
+    def run(self, hidden: torch.Tensor, spec: FFNSpec) -> torch.Tensor:
         run = ffn_custom if self.custom else ffn_plain
         return run(hidden, self.norm.weight, self.norm.bias, *_norm_params(self.sandwich_norm), spec)
 

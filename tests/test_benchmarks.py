@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import memlib
 from benchmarks.memory import MemoryBenchConfig
 from benchmarks.variants import SIZES, base_variants
+from peer import memlib
 
 REPO = Path(__file__).resolve().parents[1]
 FLOAT = 4  # bytes per fp32 element
@@ -190,3 +190,14 @@ def test_cli_cuda_request_falls_back_to_cpu_and_says_so(tmp_path):
     assert "CUDA requested but not available: running on CPU." in result.stdout
     assert "Skipped on CPU (CUDA only)" in result.stdout
     assert "| hf_gpt2_sdpa |" in result.stdout and "_bf16" not in result.stdout
+
+
+def test_ablation_report_smoke_tiny(tmp_path, capsys):
+    from benchmarks import ablation
+
+    rows = ablation.main(["--size", "tiny", "--threads", "1", "--plot", str(tmp_path / "ablation.png")])
+    by_option = {row["option"]: row for row in rows}
+    assert rows[0]["option"] == "plain" and rows[0]["peak_ratio"] == 1.0
+    assert by_option["sharing"]["parameter_ratio"] < 1.0  # the exact figures are the benchmark's business
+    assert (tmp_path / "ablation.png").stat().st_size > 0
+    assert "8-bit LAMB in CPU RAM" in capsys.readouterr().out
