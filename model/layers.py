@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from model.config import LeanTransformerConfig
 from model.linear import make_linear
-from model.ops.attention import AttentionSpec, attention_custom, attention_plain
+from model.ops.attention import AttentionSpec, CacheUpdate, attention_cached, attention_custom, attention_plain
 from model.ops.dropout import draw_seed
 from model.ops.ffn import FFNSpec, ffn_custom, ffn_plain
 from model.ops.projection import ComputeContext
@@ -81,7 +81,33 @@ class LeanSelfAttention(_PreNormSublayer):
         rotary: Optional[RotaryTables] = None,
         key_padding_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        spec = AttentionSpec(
+        cos, sin = rotary if rotary is not None else (None, None)
+        run = attention_custom if self.custom else attention_plain
+        return run(
+            hidden,
+            self.norm.weight,
+            self.norm.bias,
+            *_norm_params(self.sandwich_norm),
+            cos,
+            sin,
+            key_padding_mask,
+            self._spec(hidden),
+        )
+
+    def forward_cached(
+        self,
+        hidden: torch.Tensor,
+        rotary: Optional[RotaryTables],
+        key_padding_mask: Optional[torch.Tensor],
+        update: CacheUpdate,
+    ) -> torch.Tensor:
+        """Inference on new tokens only: ``update`` appends their keys/values to this layer's KV cache."""
+        cos, sin = rotary if rotary is not None else (None, None)
+        norms = (self.norm.weight, self.norm.bias, *_norm_params(self.sandwich_norm))
+        return attention_cached(hidden, *norms, cos, sin, key_padding_mask, self._spec(hidden), update)
+
+    def _spec(self, hidden: torch.Tensor) -> AttentionSpec:
+        return AttentionSpec(
             qkv=self.qkv,
             out=self.out,
             num_heads=self.num_heads,
@@ -93,18 +119,6 @@ class LeanSelfAttention(_PreNormSublayer):
             dropout_seed=draw_seed(self.dropout_p, self.training),
             residual=self.residual,
             compute=self._compute_context(hidden),
-        )
-        cos, sin = rotary if rotary is not None else (None, None)
-        run = attention_custom if self.custom else attention_plain
-        return run(
-            hidden,
-            self.norm.weight,
-            self.norm.bias,
-            *_norm_params(self.sandwich_norm),
-            cos,
-            sin,
-            key_padding_mask,
-            spec,
         )
 
 
