@@ -91,31 +91,37 @@ def load_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[
     return None
 
 
+class BackupError(ValueError):
+    """A backup file that cannot be used; the message says why."""
+
+
 def _read_backup(path: Path, model: torch.nn.Module) -> Optional[dict]:
     """The backup's contents if it is intact and fits this model, else None with a log line that says why."""
+    try:
+        return read_backup(path, model)
+    except BackupError as e:
+        logger.error("Ignoring the backup %s: %s", path, e)
+        return None
+
+
+def read_backup(path: Path, model: torch.nn.Module) -> dict:
+    """The backup's contents (model, optimizer, schema, epoch) if it is intact and fits ``model``; else BackupError."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         reason = "the file is empty" if path.stat().st_size == 0 else (str(e).strip().splitlines() or [repr(e)])[0]
-        logger.error("Ignoring the unreadable backup %s (%s); delete it or fix it to silence this", path, reason[:160])
-        return None
+        raise BackupError(f"it is unreadable ({reason[:160]}); delete it or fix it to silence this") from None
     if not isinstance(payload, dict) or "model" not in payload or "optimizer" not in payload:
-        logger.error("Ignoring the backup %s: it is not a LeanHive backup", path)
-        return None
+        raise BackupError("it is not a LeanHive backup")
     digest = payload.pop("digest", None)
     if digest is not None and digest != tensor_digest(payload):
-        logger.error("Ignoring the damaged backup %s: its contents do not match its checksum", path)
-        return None
+        raise BackupError("it is damaged: its contents do not match its checksum")
     if payload.get("schema") != _schema(model):
-        logger.error(
-            "Ignoring the backup %s: it was written for a different model config "
-            "(use another --output_dir for a different model)",
-            path,
+        raise BackupError(
+            "it was written for a different model config (use another --output_dir for a different model)"
         )
-        return None
     if not all_finite(payload["model"].values()):
-        logger.error("Ignoring the backup %s: it contains NaN/inf parameters", path)
-        return None
+        raise BackupError("it contains NaN/inf parameters")
     return payload
 
 
