@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -33,7 +33,7 @@ import torch
 import model as lean_model
 from aux_monitor.checkpoints import MANIFEST, CheckpointError, checkpoint_dirs, load_checkpoint
 from model import LeanGPTForCausalLM, load_config
-from peer.backup import BACKUP_NAME, PREVIOUS_BACKUP_NAME, BackupError, read_backup
+from peer.swarm.backup_format import BACKUP_NAME, PREVIOUS_BACKUP_NAME, BackupError, read_backup
 from peer.swarm.data import shipped_tokenizer_dir
 from peer.swarm.validate import require
 
@@ -110,7 +110,6 @@ class RunFacts:
     validation_loss: Optional[float] = None
     validation_epoch: Optional[int] = None
     taken_at: Optional[float] = None  # unix time of the state
-    extra: Dict[str, object] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------- reading sources

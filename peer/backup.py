@@ -16,18 +16,19 @@ from typing import Optional
 import torch
 
 from peer.swarm import events
+from peer.swarm.backup_format import (  # noqa: F401 (BackupError is part of this module's interface)
+    BACKUP_NAME,
+    PREVIOUS_BACKUP_NAME,
+    BackupError,
+    backup_schema,
+    read_backup,
+)
 from peer.swarm.hivemind_seam import sync_offloaded_parameters
 from peer.swarm.tensors import all_finite, atomic_torch_save, tensor_digest
 
 logger = logging.getLogger(__name__)
 
-BACKUP_NAME = "backup.pt"
-PREVIOUS_BACKUP_NAME = "backup.prev.pt"  # the backup before the newest one, used if the newest is damaged
 FINAL_PARAMS_NAME = "final_params.pt"
-
-
-def _schema(model: torch.nn.Module) -> list:
-    return [(name, list(param.shape)) for name, param in model.state_dict().items()]
 
 
 def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[Path]:
@@ -51,7 +52,7 @@ def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[
             return None
         path = Path(output_dir) / BACKUP_NAME
         payload = dict(
-            model=model.state_dict(), optimizer=opt_state, schema=_schema(model), epoch=optimizer.local_epoch
+            model=model.state_dict(), optimizer=opt_state, schema=backup_schema(model), epoch=optimizer.local_epoch
         )
         payload["digest"] = tensor_digest(payload)
         try:
@@ -91,10 +92,6 @@ def load_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[
     return None
 
 
-class BackupError(ValueError):
-    """A backup file that cannot be used; the message says why."""
-
-
 def _read_backup(path: Path, model: torch.nn.Module) -> Optional[dict]:
     """The backup's contents if it is intact and fits this model, else None with a log line that says why."""
     try:
@@ -102,27 +99,6 @@ def _read_backup(path: Path, model: torch.nn.Module) -> Optional[dict]:
     except BackupError as e:
         logger.error("Ignoring the backup %s: %s", path, e)
         return None
-
-
-def read_backup(path: Path, model: torch.nn.Module) -> dict:
-    """The backup's contents (model, optimizer, schema, epoch) if it is intact and fits ``model``; else BackupError."""
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        reason = "the file is empty" if path.stat().st_size == 0 else (str(e).strip().splitlines() or [repr(e)])[0]
-        raise BackupError(f"it is unreadable ({reason[:160]}); delete it or fix it to silence this") from None
-    if not isinstance(payload, dict) or "model" not in payload or "optimizer" not in payload:
-        raise BackupError("it is not a LeanHive backup")
-    digest = payload.pop("digest", None)
-    if digest is not None and digest != tensor_digest(payload):
-        raise BackupError("it is damaged: its contents do not match its checksum")
-    if payload.get("schema") != _schema(model):
-        raise BackupError(
-            "it was written for a different model config (use another --output_dir for a different model)"
-        )
-    if not all_finite(payload["model"].values()):
-        raise BackupError("it contains NaN/inf parameters")
-    return payload
 
 
 def save_final_params(output_dir: str, model: torch.nn.Module, epoch: int) -> Path:

@@ -72,20 +72,22 @@ LOAD_AND_GENERATE = textwrap.dedent(
 )
 
 
+def _run(argv, cwd, env) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def test_cli_exports_an_aux_checkpoint_that_loads_without_leanhive(tmp_path):
     checkpoint = _checkpoint(tmp_path / "checkpoints", epoch=9)
     output = tmp_path / "exported"
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(
+    result = _run(
         [sys.executable, "-m", "aux_monitor.export", "--source", str(tmp_path / "checkpoints")]
         + ["--output", str(output), "--verify", "false"],
         cwd=REPO_ROOT,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == str(output)
     names = {p.name for p in output.iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", "leanhive_modeling.py"} <= names
@@ -102,15 +104,7 @@ def test_cli_exports_an_aux_checkpoint_that_loads_without_leanhive(tmp_path):
     fresh_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
-    loaded = subprocess.run(
-        [str(_fresh_venv(tmp_path)), "-c", LOAD_AND_GENERATE, str(output)],
-        cwd=workdir,
-        env=fresh_env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    loaded = _run([str(_fresh_venv(tmp_path)), "-c", LOAD_AND_GENERATE, str(output)], cwd=workdir, env=fresh_env)
     out = json.loads(loaded.stdout.strip().splitlines()[-1])
     assert out["greedy"] == _greedy(LeanGPTForCausalLM.from_pretrained(checkpoint), torch.tensor(out["ids"]))
     assert out["text"].startswith("The swarm")
