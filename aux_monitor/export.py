@@ -291,7 +291,7 @@ or compatible), not LeanHive.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-tokenizer = AutoTokenizer.from_pretrained("{load_name}")
+tokenizer = AutoTokenizer.from_pretrained("{load_name}", trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained("{load_name}", trust_remote_code=True)
 ids = tokenizer("The swarm", return_tensors="pt").input_ids
 print(tokenizer.decode(model.generate(ids, max_new_tokens=40, do_sample=True, top_k=50)[0]))

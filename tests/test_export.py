@@ -60,20 +60,23 @@ LOAD_AND_GENERATE = textwrap.dedent(
         raise SystemExit(f"LeanHive's {name} is importable in the fresh venv")
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
     folder = sys.argv[1]
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     assert not type(model).__module__.startswith("model."), type(model).__module__
     ids = tokenizer("The swarm learns", return_tensors="pt").input_ids
     greedy = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=3)
     beams = model.generate(ids, max_new_tokens=6, num_beams=2, pad_token_id=3)
-    text = pipeline("text-generation", model=model, tokenizer=tokenizer)("The swarm", max_new_tokens=5)
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer, trust_remote_code=True)
+    text = generator("The swarm", max_new_tokens=5)
     print(json.dumps(dict(ids=ids.tolist(), greedy=greedy.tolist(), text=text[0]["generated_text"])))
     """
 )
 
 
 def _run(argv, cwd, env) -> subprocess.CompletedProcess:
-    result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
