@@ -147,8 +147,9 @@ def table(rows: List[Row], cfg: GenerationBenchConfig) -> str:
     for length in cfg.prompts:
         cells = {r.variant: r for r in rows if r.prompt == length}
         ratio = cells["lean_no_cache"].ratio_to_lean_cache
+        ratio_text = "n/a" if ratio is None else f"{ratio:.1f}x"
         lines.append(
-            f"| {length} | " + " | ".join(f"{cells[v].ms_per_token:.2f}" for v in variants) + f" | {ratio:.1f}x |"
+            f"| {length} | " + " | ".join(f"{cells[v].ms_per_token:.2f}" for v in variants) + f" | {ratio_text} |"
         )
     slopes = " | ".join(f"{growth(rows, v):.2f}" if growth(rows, v) is not None else "n/a" for v in variants)
     lines.append(f"| growth (log-log slope) | {slopes} | |")
