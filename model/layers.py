@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from model.config import LeanTransformerConfig
 from model.linear import make_linear
-from model.ops.attention import AttentionSpec, attention_custom, attention_plain
+from model.ops.attention import AttentionSpec, CacheUpdate, attention_cached, attention_custom, attention_plain
 from model.ops.dropout import draw_seed
 from model.ops.ffn import FFNSpec, ffn_custom, ffn_plain
 from model.ops.projection import ComputeContext
@@ -118,6 +118,18 @@ class LeanSelfAttention(_PreNormSublayer):
             key_padding_mask,
             spec,
         )
+
+    def forward_cached(
+        self,
+        hidden: torch.Tensor,
+        rotary: Optional[RotaryTables],
+        key_padding_mask: Optional[torch.Tensor],
+        update: CacheUpdate,
+    ) -> torch.Tensor:
+        """Inference on new tokens only: ``update`` appends their keys/values to this layer's KV cache."""
+        cos, sin = rotary if rotary is not None else (None, None)
+        norms = (self.norm.weight, self.norm.bias, *_norm_params(self.sandwich_norm))
+        return attention_cached(hidden, *norms, cos, sin, key_padding_mask, self.spec(hidden), update)
 
 
 class LeanFFN(_PreNormSublayer):
