@@ -96,6 +96,8 @@ class DockerResources:
 
     def __init__(self, prefix: str):
         self.prefix = prefix
+        # a multi-stage build also leaves untagged images (its build stage): whatever is new at cleanup goes
+        self.image_ids_before = all_image_ids()
         self.images: List[str] = []
         self.containers: List[str] = []
         self.volumes: List[str] = []
@@ -126,7 +128,20 @@ class DockerResources:
                 result = docker(kind, "rm", *extra, name, check=False, timeout=300)
                 if result.returncode != 0 and "No such" not in result.stderr:
                     problems.append(f"{kind} {name}: {result.stderr.strip()}")
+        for _ in range(10):  # an image with children goes only after them: a few passes
+            left = all_image_ids() - self.image_ids_before
+            if not left:
+                break
+            for image_id in left:
+                docker("image", "rm", "--force", image_id, check=False, timeout=300)
+        left = all_image_ids() - self.image_ids_before
+        if left:
+            problems.append(f"images left: {sorted(left)}")
         return problems
+
+
+def all_image_ids() -> set:
+    return set(docker("images", "--all", "--quiet", "--no-trunc").stdout.split())
 
 
 # ------------------------------------------------------------------ images
