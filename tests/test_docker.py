@@ -195,7 +195,20 @@ def images(engine):
 
 
 def _peer_args(role: str, run_id: str, *extra: str) -> list:
-    return [role, "--config", "tiny", "--run_id", run_id, "--events_file", "/data/events.jsonl", *extra]
+    # a global batch that takes the pair a few seconds: with the tiny preset's 64 a trainer alone runs about an
+    # epoch a second, and one that started later is left too many epochs behind to accept a download
+    return [
+        role,
+        "--config",
+        "tiny",
+        "--target_batch_size",
+        "512",
+        "--run_id",
+        run_id,
+        "--events_file",
+        "/data/events.jsonl",
+        *extra,
+    ]
 
 
 def _loopback_env(p2p_port: int, **more) -> dict:
@@ -243,8 +256,10 @@ def test_containers_train_stop_cleanly_and_rejoin_with_the_same_identity(engine,
     for n in (1, 2):
         name, volume = resources.name(f"trainer{n}"), resources.name(f"trainer{n}-data")
         args = _peer_args("trainer", run_id, "--initial_peers", *initial_peers)
-        d.run_container(resources, name, image, args, volume=volume, env=_loopback_env(free_port()), options=health)
+        env = _loopback_env(free_port())
+        d.run_container(resources, name, image, args, volume=volume, env=env, options=health, start=False)
         trainers[name] = (volume, args)
+    d.docker("start", *trainers)  # together: neither trains alone for long
     try:
         for name, (volume, _) in trainers.items():
             _events(volume).wait("epoch_done", timeout=400, where=lambda e: int(e["epoch"]) >= 3)

@@ -262,14 +262,18 @@ def run_container(
     volume: str,
     env: Optional[Dict[str, str]] = None,
     options: Sequence[str] = (),
+    start: bool = True,
 ) -> str:
-    """``docker run -d --network host -v VOLUME:/data`` (the volume is created on first use)."""
+    """``docker run -d --network host -v VOLUME:/data`` (the volume is created on first use); with
+    ``start=False`` only created (``docker create``: on vfs that copies the image, the slow part), for
+    ``docker start`` to start several at once."""
     if volume not in resources.volumes:
         resources.volumes.append(volume)
     if name not in resources.containers:
         resources.containers.append(name)
     env_args = [a for key, value in (env or {}).items() for a in ("-e", f"{key}={value}")]
-    docker("run", "-d", "--name", name, "--network", "host", "-v", f"{volume}:/data", *env_args, *options, image, *args)
+    command = ["run", "-d"] if start else ["create"]
+    docker(*command, "--name", name, "--network", "host", "-v", f"{volume}:/data", *env_args, *options, image, *args)
     return name
 
 
