@@ -6,6 +6,7 @@ trainers in containers, a clean stop and a restart, and the compose swarm with P
 2-core machine, most of it the build; it removes every container, image and volume it made).
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -151,6 +152,22 @@ def test_wheelhouse_script_rejects_an_unknown_torch_build(tmp_path):
     )
     assert result.returncode == 2 and "--torch must be cuda or cpu" in result.stderr
     assert not list(tmp_path.iterdir()), "nothing is downloaded before the arguments are checked"
+
+
+def test_healthcheck_tells_the_aux_role_from_the_running_peer(monkeypatch):
+    """Docker runs the healthcheck with the container's environment, without the LEANHIVE_ROLE the entry point
+    exports: the running peer script must tell the role, or the aux peer is checked as a trainer (never healthy)."""
+    spec = importlib.util.spec_from_file_location("healthcheck", DOCKER / "healthcheck.py")
+    healthcheck = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(healthcheck)
+    monkeypatch.delenv("LEANHIVE_ROLE", raising=False)
+    assert healthcheck._role() == "trainer"
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "run_aux_peer.py"])
+    try:
+        assert healthcheck._role() == "aux"
+    finally:
+        peer.kill()
+        peer.wait()
 
 
 # ------------------------------------------------------------------ end to end, with a real Docker engine
