@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from benchmarks.swarm_lib import (
+    BREAKDOWN,
     LINKS,
     MODES,
     Row,
@@ -173,18 +174,7 @@ def table(rows: Sequence[Row]) -> str:
                     _fmt(row.bound_bytes_per_sample / 1e3, 1),
                     _fmt(row.bytes_over_bound),
                     _fmt(row.seconds_per_epoch, 1),
-                    *(
-                        _fmt(b.get(kind, math.nan), 1)
-                        for kind in (
-                            "compute",
-                            "blocked",
-                            "matchmaking",
-                            "grad_allreduce",
-                            "state_allreduce",
-                            "optimizer_step",
-                            "state_download",
-                        )
-                    ),
+                    *(_fmt(b.get(kind, math.nan), 1) for kind in BREAKDOWN),
                     _fmt(row.validation_loss, 3) + (f" ({row.error})" if row.error else ""),
                 ]
             )
