@@ -144,7 +144,8 @@ def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value / scale:.{digits}f}"
 
 
-def _table(header: list[str], lines: list[list[str]]) -> str:
+def markdown_table(header: list[str], lines: list[list[str]]) -> str:
+    """A markdown table of already formatted cells (every benchmark's printed table)."""
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(line) + " |" for line in lines]
     return "\n".join(out)
@@ -182,7 +183,7 @@ def main_table(rows: list[Row], with_cuda: bool) -> str:
         if with_cuda:
             line += [_fmt(row.cuda_peak_bytes, MIB, 1), _fmt(row.cuda_peak_ratio)]
         lines.append(line + [row.verdict])
-    return _table(header, lines)
+    return markdown_table(header, lines)
 
 
 def depth_table(rows: list[Row]) -> str:
@@ -216,7 +217,7 @@ def depth_table(rows: list[Row]) -> str:
                 row.verdict,
             ]
         )
-    return _table(header, lines)
+    return markdown_table(header, lines)
 
 
 def breakdown_text(rows: list[Row], top: int = 8) -> str:
