@@ -49,13 +49,15 @@ logger = logging.getLogger("benchmarks.swarm")
 DEFAULT_LINKS = ("home", "broadband")
 # sync+overlap+rare_state is what the internet run presets (configs/run/*_internet.yaml) use
 DEFAULT_MODES = ("solo", "sync", "sync+overlap", "sync+overlap+rare_state")
-# --quick: the tiny model, so that peers start, join, average and exit in well under a minute each
+# --quick: the tiny model, so that peers start, join, average and exit in well under a minute each. An epoch is a
+# few seconds for two peers: with 64 samples (under a second) the peers' start-up skew under load (a state download
+# each, ~1-2 s) let the first peer end two epochs alone and the second chase it to max_epochs and leave
 QUICK = dict(
     links=("broadband",),
     modes=("solo", "sync"),
     model_config="tiny",
     epochs=3,
-    target_batch_size=64,
+    target_batch_size=512,
     per_device_batch_size=8,
     max_sequence_length=64,
     matchmaking_time=2.0,

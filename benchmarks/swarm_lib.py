@@ -164,6 +164,8 @@ class Row:
     exit_codes: List[Optional[int]] = field(default_factory=list)
     curve: List[Dict[str, float]] = field(default_factory=list)
     """Per global epoch: swarm samples so far, seconds since the run started, mean training loss."""
+    epochs_alone: int = 0
+    """Epochs of the window that some peer ended counting fewer peers than the swarm has (it did not average)."""
     error: Optional[str] = None
 
     @property
@@ -374,6 +376,12 @@ def measure(
         row.samples_per_second = samples / (end - start)
         windows = [(start, end)] * len(peers)
     row.epochs_measured = last - first
+    if not solo:  # a peer that ended an epoch on a view of fewer peers skipped that epoch's averaging
+        row.epochs_alone = sum(
+            1 for d in done for e in range(first + 1, last + 1) if e in d and d[e].get("peers", len(peers)) < len(peers)
+        )
+        if row.epochs_alone:
+            logger.warning("%s/%s: %d peer-epochs ended without the whole swarm", row.link, row.mode, row.epochs_alone)
     row.samples_measured = samples
     row.seconds_per_epoch = row.seconds_measured / row.epochs_measured
     if solo_rate:

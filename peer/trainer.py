@@ -294,6 +294,7 @@ class TrainerPeer:
             steps=stats.steps,
             skipped=stats.skipped_steps,
             now_at=new_epoch,
+            peers=self.optimizer.tracker.global_progress.num_peers,
         )
         self._publish(stats)
         self._after_update(new_epoch)

@@ -9,7 +9,7 @@ flushed as it happens. The events and their fields:
 - ``state_loaded``: ``epoch``, ``source`` ("swarm", "backup", "checkpoint"), ``reason`` ("join", "recovery",
   "resync", "refresh", "resume"), ``path`` (the backup file or checkpoint folder, else null)
 - ``epoch_done`` (trainer): ``epoch``, ``loss`` (mean, or null), ``mini_steps``, ``samples``, ``steps``, ``skipped``,
-  ``now_at``
+  ``now_at``, ``peers`` (the peers the progress tracker counted at the epoch's end, this one included)
 - ``backup_written`` (trainer) / ``checkpoint_saved`` (aux peer): ``epoch``, ``path``
 - ``backup_failed`` (trainer, e.g. a full disk; retried at the next epoch): ``epoch``, ``path``, ``error``
 - ``offering_checkpoint`` (aux peer, no trainer online): ``epoch``
