@@ -273,3 +273,47 @@ def test_a_trainer_whose_p2pd_dies_reports_it_and_exits_with_status_1(tmp_path):
         assert not trainer.wait_until_gone(timeout=15), "processes of the trainer outlived it"
     finally:
         trainer.kill_tree()
+
+
+# ------------------------------------------------------------------------------------ consensus vote at start-up
+
+
+def test_a_peer_that_found_nobody_yet_does_not_vote_its_fresh_epoch(tmp_path):
+    """A peer still waiting for min_peers found no record at its first fetch; meanwhile the other peer trained on
+    to epoch 16. In a pair the consensus is the lower of the two votes: had the waiting peer voted its epoch 0, it
+    would refuse the other's state as "beyond the swarm's consensus" forever (seen in a real run)."""
+    import hivemind
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    from peer.swarm.hivemind_seam import LeanHiveProgressTracker
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        tracker = LeanHiveProgressTracker(dht, "vote_run", 64, start=False)
+        assert tracker.consensus_epoch is None  # nobody reports: no consensus, and no vote of its own yet
+
+        def other_at(epoch: int) -> dict:
+            now = get_dht_time()
+            record = LocalTrainingProgress(
+                peer_id=b"other",
+                epoch=epoch,
+                samples_accumulated=8,
+                samples_per_second=100.0,
+                time=now,
+                client_mode=False,
+            )
+            return {b"other-key": ValueWithExpiration(record.dict(), now + 60)}
+
+        tracker.global_progress = tracker._parse_swarm_progress_data(other_at(16))
+        assert tracker.consensus_epoch == 16 and tracker.global_progress.epoch == 16
+        # once it holds the swarm's state (here: it started a collaboration of its own), its epoch votes again
+        tracker.mark_in_sync()
+        tracker._parse_swarm_progress_data(other_at(16))
+        assert tracker.consensus_epoch == 0
+        # and a fresh peer that finds another peer at its own epoch is in sync with it
+        fresh = LeanHiveProgressTracker(dht, "vote_run_2", 64, start=False)
+        fresh._parse_swarm_progress_data(other_at(1))
+        assert fresh._in_sync
+    finally:
+        dht.shutdown()

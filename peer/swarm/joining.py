@@ -65,6 +65,7 @@ def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, col
             optimizer.local_epoch,
             progress.epoch,
         )
+        optimizer.tracker.mark_in_sync()
         return False
     others = (
         progress.num_peers > 0
@@ -73,9 +74,11 @@ def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, col
     )
     if not others:
         logger.info("No other peers reported progress: starting a new collaboration at epoch %d", optimizer.local_epoch)
+        optimizer.tracker.mark_in_sync()
         return False
     if download_state(optimizer, collab.load_state_attempts):
         logger.info("Loaded the swarm's state: now at global epoch %d", optimizer.local_epoch)
+        optimizer.tracker.mark_in_sync()
         events.emit("state_loaded", epoch=optimizer.local_epoch, source="swarm", reason="join", path=None)
         return True
     logger.warning(

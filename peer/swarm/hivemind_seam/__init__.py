@@ -75,6 +75,7 @@ Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
   re-sync after an isolation waits on it).
 - ``run``: hivemind's thread body, then the cancellation of the helper tasks hivemind leaves pending at shutdown
   (Python printed "Task was destroyed but it is pending!" at exit).
+- ``mark_in_sync`` (ours): the joining protocol says when this peer's own epoch starts to vote in the consensus.
 - ``load_state_dict``: tells the state averager that its parameters were replaced.
 - ``download_epoch_bound``: the highest epoch a downloaded state may carry (the tracker's median consensus +
   a small lead); trainers and the aux replica both use it.

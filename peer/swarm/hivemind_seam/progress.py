@@ -40,7 +40,8 @@ class LeanHiveProgressTracker(ProgressTracker):
     - a record whose ``time`` is ahead of our clock by more than ``MAX_CLOCK_SKEW`` or older than its lifetime
       (``metadata_expiration`` + skew), or whose throughput is not finite, is ignored;
     - the epoch consensus (``consensus_epoch``) is the (lower) median of the non-client peers' epochs, this peer's
-      own included once it is in sync with the swarm (a joiner that has not loaded the state yet does not vote). It
+      own included once it is in sync with the swarm (``mark_in_sync`` after joining, or a fetch that found another
+      peer's record within ``MAX_EPOCH_LEAD`` of its own; a joiner that has not loaded the state yet does not vote). It
       bounds the epoch a downloaded state may carry. A record more than ``MAX_EPOCH_LEAD`` epochs ahead of it is a
       *claim*: an honest peer of a fast swarm is often a few epochs ahead of a slower one, so it is followed (the
       slower peer downloads the state, as in hivemind) until a download refutes it: a state download that ends
@@ -86,12 +87,20 @@ class LeanHiveProgressTracker(ProgressTracker):
 
     # ------------------------------------------------------------------------------------- bounded records
 
+    def mark_in_sync(self) -> None:
+        """This peer now holds the swarm's state (it started a new collaboration, loaded the swarm's state or
+        resumed a backup the others will load): from now on its own epoch votes in the consensus."""
+        self._in_sync = True
+
     def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
         if not isinstance(metadata, dict) or not metadata:
-            progress = super()._parse_swarm_progress_data(metadata)
-        else:
-            progress = self._bounded_progress(self._plausible_records(metadata, get_dht_time()), get_dht_time())
-        if self.local_progress.epoch >= progress.epoch - MAX_EPOCH_LEAD:
+            return super()._parse_swarm_progress_data(metadata)
+        records = self._plausible_records(metadata, get_dht_time())
+        progress = self._bounded_progress(records, get_dht_time())
+        # in sync only against other peers' records: a peer that found nobody at its first fetch (still waiting
+        # for min_peers, say) would otherwise vote its fresh epoch 0 and, in a pair, refuse the other's state
+        others = any(key != self._local_public_key and not r.client_mode for key, r in records.items())
+        if others and self.local_progress.epoch >= progress.epoch - MAX_EPOCH_LEAD:
             self._in_sync = True  # from now on this peer's own epoch votes in the consensus
         return progress
 
