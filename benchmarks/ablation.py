@@ -25,14 +25,14 @@ import torch
 
 from benchmarks.memory import make_inputs, measure_variant, release, resolve_device
 from benchmarks.report import MIB, Row
-from benchmarks.variants import REV_CHUNK_HEADS, REV_CHUNK_TOKENS, SIZES, Variant, lean_builder
+from benchmarks.variants import AUTOCAST_DTYPES, REV_CHUNK_HEADS, REV_CHUNK_TOKENS, SIZES, Variant, lean_builder
 
 logger = logging.getLogger(__name__)
 
 PLAIN = dict(custom_ffn=False, custom_attention=False, loss_chunk_size=0)
 
 
-def ablation_variants(size) -> list[tuple[Variant, str, int]]:
+def ablation_variants(size, mixed_precision: bool = True) -> list[tuple[Variant, str, int]]:
     """(variant, what it switches on, micro-batch divisor) per row; the first row is the reference."""
     chunks = dict(reversible_chunk_tokens=REV_CHUNK_TOKENS, reversible_chunk_heads=REV_CHUNK_HEADS)
     pixelfly_block = 32 if size.hidden_size >= 256 else 8
@@ -58,6 +58,17 @@ def ablation_variants(size) -> list[tuple[Variant, str, int]]:
         reversible = architecture.pop("reversible", False)
         build = lean_builder(reversible=reversible, architecture=architecture, **{**PLAIN, **options})
         variants.append((Variant(name, build), what, divisor))
+    # mixed precision: the reference under autocast (CPU autocast runs both dtypes too, so the saved activations are
+    # measured exactly here; parameters stay fp32 master weights, as in the trainer)
+    plain = variants[0][0]
+    for suffix in AUTOCAST_DTYPES if mixed_precision else ():
+        variants.append(
+            (
+                dataclasses.replace(plain, name=f"mixed_precision_{suffix}", autocast=suffix),
+                f"{suffix} autocast (forward + loss)",
+                1,
+            )
+        )
     return variants
 
 
@@ -86,10 +97,10 @@ def optimizer_bytes_per_parameter() -> list[tuple[str, float, float]]:
     return results
 
 
-def run(size_name: str, device: torch.device, steps: int, plot: Path) -> list[dict]:
+def run(size_name: str, device: torch.device, steps: int, plot: Path, mixed_precision: bool = True) -> list[dict]:
     size = SIZES[size_name]
     rows = []
-    for variant, what, divisor in ablation_variants(size):
+    for variant, what, divisor in ablation_variants(size, mixed_precision):
         row_size = dataclasses.replace(size, batch_size=max(1, size.batch_size // divisor))
         logger.info("measuring %s", variant.name)
         row: Row = measure_variant(variant, row_size, device, steps=steps, warmup=0)
@@ -114,10 +125,16 @@ def run(size_name: str, device: torch.device, steps: int, plot: Path) -> list[di
     print("| optimizer | device bytes/param | host bytes/param |\n|---|---|---|")
     for name, on_device, on_host in optimizer_bytes_per_parameter():
         print(f"| {name} | {on_device:.2f} | {on_host:.2f} |")
-    print(
-        "\nMixed precision (bf16/fp16 autocast) is measured on CUDA by `python -m benchmarks.memory --device cuda`; "
-        "on CPU it is not measured here."
-    )
+    if not mixed_precision:
+        print(
+            "\nMixed precision rows skipped: bf16/fp16 on a CPU without half-precision matrix units takes many "
+            "minutes per row at this size; `--size small` measures them on CPU (exact memory), CUDA at any size."
+        )
+    elif device.type == "cpu":
+        print(
+            "\nOn CPU the autocast rows' memory is exact, their step time is not a GPU's: a CPU has no fast bf16/fp16 "
+            "matrix units, and autocast adds the casts."
+        )
     write_chart(rows, plot, f"memory ablation, size {size_name}, {device}")
     print(f"chart written to {plot}")
     return rows
@@ -166,6 +183,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=1, help="timed steps per row (median)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--plot", type=Path, help="PNG path (default benchmarks/results/ablation_<size>.png)")
+    parser.add_argument(
+        "--mixed_precision",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="bf16/fp16 autocast rows; auto: on CUDA, and on CPU below the default size (CPU half precision is slow)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.threads < 1:
         parser.error("--steps and --threads must be >= 1")
@@ -180,7 +203,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"layers {size.layers}, fp32"
     )
     make_inputs(size, device)  # fail early on a bad size/device
-    return run(args.size, device, args.steps, args.plot or Path("benchmarks/results") / f"ablation_{args.size}.png")
+    mixed_precision = args.mixed_precision == "on" or (
+        args.mixed_precision == "auto" and (device.type == "cuda" or args.size != "default")
+    )
+    plot = args.plot or Path("benchmarks/results") / f"ablation_{args.size}.png"
+    return run(args.size, device, args.steps, plot, mixed_precision)
 
 
 if __name__ == "__main__":
