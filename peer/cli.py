@@ -47,7 +47,8 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> TrainerConfig:
     network, collaboration, optimizer, training, data, events = parser.parse_into_dataclasses(argv)
     try:
         model_config = load_config(training.model_config)
-        choose_placement(training)
+        if choose_placement(training).uses_grad_scaler and collaboration.sync_mode == "local":
+            raise ValueError("--sync_mode local does not support fp16 yet: use --precision bf16 or fp32")
         check_tokenizer_fits(load_tokenizer(data), model_config.vocab_size)
     except (OSError, ValueError) as e:
         parser.error(str(e))

@@ -16,10 +16,11 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from peer.swarm import events
-from peer.swarm.config import CollaborationArguments
+from peer.swarm.config import SYNC_MODES, CollaborationArguments
+from peer.swarm.errors import NetworkSetupError
 from peer.swarm.hivemind_seam import LeanHiveOptimizer, read_consensus_epoch
-from peer.swarm.keys import progress_key
-from peer.swarm.records import read_progress, read_state_sharing
+from peer.swarm.keys import gradient_prefix_of_mode, progress_key
+from peer.swarm.records import read_averager_declarations, read_progress, read_state_sharing
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,21 @@ def count_other_state_sharing_peers(dht: hivemind.DHT, run_id: str) -> int:
     """Other peers that currently offer their state (trainers not in client mode, auxiliary peers)."""
     own_id = dht.peer_id.to_bytes()
     return sum(1 for peer_id in read_state_sharing(dht, run_id) if peer_id != own_id)
+
+
+def check_sync_mode(dht: hivemind.DHT, run_id: str, sync_mode: str) -> None:
+    """Stop with an error when peers of the run declare an averager of the other mode (``--sync_mode``): a peer of
+    another mode would average other quantities and diverge. Client-mode peers declare nothing: they are only
+    checked against the others."""
+    own_id = dht.peer_id.to_bytes()
+    for mode in SYNC_MODES:
+        if mode == sync_mode:
+            continue
+        if any(peer_id != own_id for peer_id in read_averager_declarations(dht, gradient_prefix_of_mode(run_id, mode))):
+            raise NetworkSetupError(
+                f"the peers of run {run_id!r} train with --sync_mode {mode}, this peer with --sync_mode {sync_mode}: "
+                f"every peer of a run must use the same mode; restart with --sync_mode {mode} (or another --run_id)"
+            )
 
 
 def wait_for_swarm(
