@@ -33,7 +33,7 @@ from peer.swarm.data import (
     make_batches,
 )
 from peer.swarm.events import EventArguments
-from peer.swarm.hivemind_seam import LeanHiveGradientAverager, LeanHiveOptimizer
+from peer.swarm.hivemind_seam import LeanHiveGradientAverager, LeanHiveOptimizer, PseudoGradientAverager
 from peer.swarm.joining import (
     check_sync_mode,
     count_other_state_sharing_peers,
@@ -91,6 +91,7 @@ def _peer_seed(dht: hivemind.DHT) -> int:
 class TrainerPeer:
     # the averager class of the gradients (a test entry point runs a subclass that injects faults)
     grad_averager_class = LeanHiveGradientAverager
+    pseudo_grad_averager_class = PseudoGradientAverager  # the same, for --sync_mode local
 
     def __init__(self, config: TrainerConfig):
         self.config = config
@@ -136,6 +137,7 @@ class TrainerPeer:
             # hivemind's GradScaler unscales the accumulated gradients only when they live in .grad
             reuse_grad_buffers=self.grad_scaler is not None,
             grad_averager_class=self.grad_averager_class,
+            pseudo_grad_averager_class=self.pseudo_grad_averager_class,
         )
         if local:
             self.inner_optimizer = make_inner_optimizer(self.model, self.config.optimizer)

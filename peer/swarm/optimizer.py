@@ -139,6 +139,7 @@ def build_optimizer(
     reuse_grad_buffers: bool = False,
     auxiliary: bool = False,
     grad_averager_class: Type[LeanHiveGradientAverager] = LeanHiveGradientAverager,
+    pseudo_grad_averager_class: Type[PseudoGradientAverager] = PseudoGradientAverager,
 ) -> LeanHiveOptimizer:
     """The collaborative optimizer: 8-bit LAMB offloaded to the CPU, averaged across the swarm.
 
@@ -155,7 +156,7 @@ def build_optimizer(
     # averager_opts reach only the state averager; the gradient averager gets the same through its factory
     averager_opts = dict(request_timeout=collab.request_timeout)
     if local:  # the averager of pseudo-gradients; the wrapped optimizer is the outer one (trainers own the inner)
-        grad_averager_factory = partial(PseudoGradientAverager, policy=policy, run_id=run_id, **averager_opts)
+        grad_averager_factory = partial(pseudo_grad_averager_class, policy=policy, run_id=run_id, **averager_opts)
         optimizer, scheduler = partial(make_outer_sgd, args=collab), None
     else:
         grad_averager_factory = partial(grad_averager_class, policy=policy, **averager_opts)
