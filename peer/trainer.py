@@ -120,6 +120,7 @@ class TrainerPeer:
         self.placement = choose_placement(train)  # fail on bad device/precision before touching the network
         swarm = connect(net)
         self.dht, self.watchdog, self.public_key = swarm.dht, swarm.watchdog, swarm.public_key
+        check_sync_mode(self.dht, net.run_id, self.config.collaboration.sync_mode)  # before it declares its own
 
         local = self.config.collaboration.sync_mode == "local"  # fp16 was refused by parse_config
         self.model = build_model(train, self.placement)
@@ -168,7 +169,6 @@ class TrainerPeer:
             events.emit(
                 "state_loaded", epoch=self.optimizer.local_epoch, source="backup", reason="join", path=str(restored)
             )
-        check_sync_mode(self.dht, self.config.network.run_id, collab.sync_mode)
         wait_for_swarm(self.optimizer, self.dht, self.config.network.run_id, collab)
         from_swarm = join_swarm(self.optimizer, self.dht, self.config.network.run_id, collab)
         if not restored and self.optimizer.local_epoch == 0:

@@ -16,6 +16,7 @@ from peer.swarm.config import CollaborationArguments, OptimizerArguments
 from peer.swarm.hivemind_seam import PseudoGradientAverager
 from peer.swarm.keys import averager_prefixes, gradient_prefix_of_mode
 from peer.swarm.optimizer import build_optimizer, make_inner_optimizer, make_outer_sgd, set_inner_learning_rate
+from tests.support.processes import share_tensors_by_file_descriptor
 
 # ------------------------------------------------------------------------------------------------ options
 
@@ -88,6 +89,7 @@ BATCH = 8
 
 @pytest.mark.timeout(120)
 def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging():
+    share_tensors_by_file_descriptor()
     collab = CollaborationArguments(
         sync_mode="local",
         outer_learning_rate=1.0,

@@ -26,14 +26,16 @@ def swarm():
 
 @pytest.mark.timeout(360)
 def test_two_local_mode_peers_agree_and_a_sync_peer_is_refused(tmp_path, swarm):
-    epochs = "8"
+    epochs = "12"
     common = ["--max_epochs", epochs, *LOCAL, *EXACT]
     first = start_trainer(tmp_path, "a", "local_pair", extra=[*common, "--min_peers", "2"])
     swarm.append(first)
     initial_peers = first.initial_peers(STARTUP)
     second = start_trainer(tmp_path, "b", "local_pair", initial_peers=initial_peers, extra=common)
+    swarm.append(second)
+    second.events.wait("joined", timeout=STARTUP)  # both have declared their averagers by now
     wrong = start_trainer(tmp_path, "sync", "local_pair", initial_peers=initial_peers, extra=["--max_epochs", epochs])
-    swarm += [second, wrong]
+    swarm.append(wrong)
 
     assert wait_all([wrong], timeout=240) != [0]
     assert "every peer of a run must use the same mode; restart with --sync_mode local" in wrong.log()

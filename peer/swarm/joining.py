@@ -32,18 +32,24 @@ def count_other_state_sharing_peers(dht: hivemind.DHT, run_id: str) -> int:
 
 
 def check_sync_mode(dht: hivemind.DHT, run_id: str, sync_mode: str) -> None:
-    """Stop with an error when peers of the run declare an averager of the other mode (``--sync_mode``): a peer of
-    another mode would average other quantities and diverge. Client-mode peers declare nothing: they are only
+    """Before this peer builds its averagers: stop with an error when the run's peers declare averagers of the
+    other ``--sync_mode`` only (a peer of another mode would average other quantities and diverge). Declarations
+    of both modes (a refused peer's stay up to 30 s) are only logged. Client-mode peers declare nothing: they are
     checked against the others."""
     own_id = dht.peer_id.to_bytes()
+    declared = {}
     for mode in SYNC_MODES:
-        if mode == sync_mode:
-            continue
-        if any(peer_id != own_id for peer_id in read_averager_declarations(dht, gradient_prefix_of_mode(run_id, mode))):
-            raise NetworkSetupError(
-                f"the peers of run {run_id!r} train with --sync_mode {mode}, this peer with --sync_mode {sync_mode}: "
-                f"every peer of a run must use the same mode; restart with --sync_mode {mode} (or another --run_id)"
-            )
+        peers = read_averager_declarations(dht, gradient_prefix_of_mode(run_id, mode))
+        declared[mode] = [peer for peer in peers if peer != own_id]
+    others = [mode for mode in SYNC_MODES if mode != sync_mode and declared[mode]]
+    if others and not declared[sync_mode]:
+        raise NetworkSetupError(
+            f"the peers of run {run_id!r} train with --sync_mode {others[0]}, this peer with --sync_mode "
+            f"{sync_mode}: every peer of a run must use the same mode; restart with --sync_mode {others[0]} (or "
+            f"another --run_id)"
+        )
+    if others:
+        logger.warning("Peers of run %r declared averagers of both sync modes; this peer uses %s", run_id, sync_mode)
 
 
 def wait_for_swarm(

@@ -179,6 +179,9 @@ def build_optimizer(
         delay_optimizer_step=collab.delay_optimizer_step,
         delay_grad_averaging=collab.delay_grad_averaging,
         average_state_every=collab.average_state_every,
+        # local mode: a background state averaging round would copy the shared parameters over the model's when
+        # it finishes, wiping the local steps taken meanwhile; it runs at the round's end instead
+        delay_state_averaging=not local,
         client_mode=client_mode,
         auxiliary=auxiliary,
         grad_compression=compression,
