@@ -316,7 +316,19 @@ class TrainerPeer:
             now_at=new_epoch,
         )
         self._publish(stats)
+        if self.optimizer.missed_round:
+            self._resync_after_missed_round()
         self._after_update(new_epoch)
+
+    def _resync_after_missed_round(self) -> None:
+        """--sync_mode local: this peer's pseudo-gradient missed the round's all-reduce; take the shared state of
+        a peer that made it (else train on: the next state averaging round pulls this peer back)."""
+        self.optimizer.missed_round = False
+        logger.warning("Missed the all-reduce before round %d: loading the swarm's state", self.optimizer.local_epoch)
+        if download_state(self.optimizer, self.config.collaboration.load_state_attempts):
+            events.emit(
+                "state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="missed_round", path=None
+            )
 
     def _after_update(self, new_epoch: int) -> None:
         """After an epoch's update: NaN/inf parameters are recovered, else the periodic backup is written."""

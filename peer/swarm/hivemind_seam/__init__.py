@@ -66,6 +66,8 @@ Pseudo-gradient averager (``PseudoGradientAverager(LeanHiveGradientAverager)``, 
 Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
 - ``_make_state_averager`` (private factory): builds ``LeanHiveStateAverager`` with our policy.
 - ``_make_progress_tracker`` (private factory): builds ``LeanHiveProgressTracker``.
+- ``_load_local_gradients_into_optimizer`` (private): hivemind's fallback when an all-reduce failed; in
+  ``--sync_mode local`` it also flags ``missed_round`` so the trainer downloads the swarm's shared state.
 - ``load_state_from_peers``: hivemind's with a bounded number of attempts (hivemind retried ``while True``), the
   epoch bound (``download_epoch_bound``) passed to the state averager, a refutation of epoch claims the downloaded
   state does not reach (``LeanHiveProgressTracker.refute_claims_above``), and without the gradient averager's
@@ -215,6 +217,7 @@ OVERRIDDEN_METHODS = [
         "hivemind.optim.progress_tracker.GlobalTrainingProgress",
     ),
     (hivemind.Optimizer, "load_state_dict", "(self, state_dict: 'dict')"),
+    (hivemind.Optimizer, "_load_local_gradients_into_optimizer", "(self)"),
     (hivemind.Optimizer, "load_state_from_peers", "(self, **kwargs)"),
     (hivemind.Optimizer, "__del__", "(self)"),
 ]

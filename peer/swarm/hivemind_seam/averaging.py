@@ -586,6 +586,16 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         """True in ``--sync_mode local``: the trainer steps its inner optimizer, this one runs the outer loop."""
         return isinstance(self.grad_averager, PseudoGradientAverager)
 
+    missed_round = False
+    """--sync_mode local: the last pseudo-gradient all-reduce failed while other peers were online, so the outer
+    step used this peer's pseudo-gradient alone and its shared parameters left the swarm's; the trainer re-syncs
+    (hivemind's fallback, fine for one step of gradients, would leave a whole round's divergence in place)."""
+
+    def _load_local_gradients_into_optimizer(self):
+        if self.local_updates and self.tracker.global_progress.num_peers > 1:
+            self.missed_round = True
+        super()._load_local_gradients_into_optimizer()
+
     def __del__(self):
         try:  # see _PolicyAveraging.__del__
             super().__del__()
