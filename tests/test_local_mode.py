@@ -90,8 +90,8 @@ BATCH = 8
 @pytest.mark.timeout(120)
 @pytest.mark.xfail(
     strict=False,
-    reason="failed once (17:50, before the wait for both trackers was added): a round closed without the other "
-    "peer; not re-run since (see /work/notes/s7_13.md)",
+    reason="fails: after a round the parameters differ from the two peers' mean by about half their difference "
+    "(a round closed without the other peer's pseudo-gradient?); cause not found yet, see /work/notes/s7_13.md",
 )
 def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging():
     share_tensors_by_file_descriptor()
