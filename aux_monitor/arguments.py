@@ -45,18 +45,26 @@ class AuxArguments:
     """Sequences per evaluation batch."""
     eval_max_batches: int = 64
     """At most this many validation batches per evaluation (bounds the time one evaluation takes)."""
+    sample_tokens: int = 32
+    """Generate this many tokens from each new checkpoint (a continuation of sample_prompt, shown on the dashboard
+    and in /api/state; in a background thread); 0 disables."""
+    sample_prompt: str = "The"
+    """The fixed prompt each checkpoint continues, so the samples show the model learning."""
+    sample_seconds: float = 20.0
+    """Generation of one sample stops after this many seconds, however many tokens it has."""
     upload_to_hub: Optional[str] = None
     """Hugging Face Hub model repo (user/name) to upload each new checkpoint to; needs HF_TOKEN or a login."""
 
     def __post_init__(self):
         require(bool(self.model_config), "model_config must name a preset (e.g. tiny) or a JSON file")
-        positive(self, "refresh_period", "alive_window", "assist_refresh", unit="number of seconds")
+        positive(self, "refresh_period", "alive_window", "assist_refresh", "sample_seconds", unit="number of seconds")
         require(
             isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535,
             f"metrics_port must be a TCP port (0-65535; 0 picks a free one), got {self.metrics_port!r}",
         )
         require(bool(self.checkpoint_dir), "checkpoint_dir must be a folder path")
-        integer_at_least(self, 0, "checkpoint_every", "eval_every", note="(0 disables it)")
+        integer_at_least(self, 0, "checkpoint_every", "eval_every", "sample_tokens", note="(0 disables it)")
+        require(bool(self.sample_prompt), "sample_prompt must be a non-empty text, e.g. 'The'")
         integer_at_least(self, 1, "keep_checkpoints", "eval_batch_size", "eval_max_batches")
         if self.upload_to_hub is not None:
             require(

@@ -21,6 +21,7 @@ from aux_monitor.checkpoints import CheckpointManager
 from aux_monitor.hub import HubUploader
 from aux_monitor.monitor import AuxMonitor
 from aux_monitor.replica import SwarmReplica
+from aux_monitor.sampler import CheckpointSampler, SamplerSettings
 from aux_monitor.server import MonitorApp, MonitorServer
 from aux_monitor.state import MonitorState, StateHolder
 from model import LeanGPTForCausalLM, load_config
@@ -80,6 +81,7 @@ class AuxPeer:
         self.server: Optional[MonitorServer] = None
         self.monitor: Optional[AuxMonitor] = None
         self.uploader: Optional[HubUploader] = None
+        self.sampler: Optional[CheckpointSampler] = None
         self._threads: List[threading.Thread] = []
 
     def start(self) -> None:
@@ -121,6 +123,14 @@ class AuxPeer:
         )
         if aux.upload_to_hub:
             self.uploader = HubUploader(aux.upload_to_hub)
+        if aux.sample_tokens and checkpoints is not None:
+            settings = SamplerSettings(
+                prompt=aux.sample_prompt,
+                max_new_tokens=aux.sample_tokens,
+                max_seconds=aux.sample_seconds,
+                tokenizer=self.config.data.tokenizer,
+            )
+            self.sampler = CheckpointSampler(settings, holder)
         self.monitor = AuxMonitor(
             dht=self.dht,
             run_id=net.run_id,
@@ -130,6 +140,7 @@ class AuxPeer:
             checkpoints=checkpoints,
             uploader=self.uploader,
             validation=validation,
+            sampler=self.sampler,
         )
         if aux.resume:
             self.monitor.resume()
@@ -168,6 +179,8 @@ class AuxPeer:
             self.server.shutdown()
         if self.uploader is not None:
             self.uploader.wait(timeout=60)
+        if self.sampler is not None:
+            self.sampler.shutdown()
         if self.optimizer is not None:
             self.optimizer.shutdown()
         if self.watchdog is not None:

@@ -2,8 +2,8 @@
 
 A checkpoint is a directory ``epoch_000012/`` holding the model (``save_pretrained``, so
 ``from_pretrained`` loads it), ``optimizer.pt``, ``scheduler.pt`` (if any) and ``leanhive_checkpoint.json``
-(epoch, loss, time, and a SHA-256 of every file). It is written under a temporary name, loaded back
-and compared with the state it came from, and only then renamed into place, so a crash or a bad
+(epoch, loss, time, the run's facts when known, and a SHA-256 of every file). It is written under a temporary
+name, loaded back and compared with the state it came from, and only then renamed into place, so a crash or a bad
 write never leaves something that looks like a checkpoint. Rotation deletes only checkpoints that
 verify and are older than the ``keep`` newest verified ones: a damaged checkpoint is reported and
 left in place for a human to inspect, never deleted and never overwritten.
@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Type
 
@@ -53,6 +53,8 @@ class TrainingState:
     epoch: int  # global epoch the state belongs to
     loss: Optional[float]  # swarm training loss at that epoch, if known
     time: float  # unix time the state was taken
+    # what the aux peer knew about the run (run_id, samples_seen, validation_loss, ...); shown by exports
+    facts: Dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,7 @@ class CheckpointManager:
             loss=state.loss if state.loss is not None and math.isfinite(state.loss) else None,
             time=state.time,
             model_class=type(state.model).__name__,
+            run=state.facts,
             files={p.name: _sha256(p) for p in sorted(directory.iterdir())},
         )
         (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -190,51 +193,11 @@ class CheckpointManager:
     # ---------------------------------------------------------------- verifying and loading
     def verify_files(self, path: Path) -> None:
         """Cheap check: the manifest parses and every file it lists is present with its checksum."""
-        manifest = _read_manifest(path)
-        files = manifest.get("files")
-        if not isinstance(files, dict) or "config.json" not in files or OPTIMIZER_FILE not in files:
-            raise CheckpointError(f"{path / MANIFEST} lists no model/optimizer files")
-        for name, digest in files.items():
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"{file} is missing")
-            if _sha256(file) != digest:
-                raise CheckpointError(f"{file} does not match its checksum (damaged or modified)")
+        verify_checkpoint_files(path)
 
     def load(self, path: str | os.PathLike) -> LoadedCheckpoint:
         """Fully load a checkpoint (model, optimizer, scheduler, metadata); raises CheckpointError."""
-        path = Path(path)
-        self.verify_files(path)
-        manifest = _read_manifest(path)
-        try:
-            model, info = self.model_class.from_pretrained(path, output_loading_info=True)
-        except Exception as e:
-            raise CheckpointError(f"the model in {path} does not load: {e}") from e
-        problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
-        if problems:
-            raise CheckpointError(f"the model in {path} does not match {self.model_class.__name__}: {problems}")
-        try:
-            optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-            scheduler_file = path / SCHEDULER_FILE
-            scheduler_state = (
-                torch.load(scheduler_file, map_location="cpu", weights_only=True) if scheduler_file.exists() else None
-            )
-        except Exception as e:
-            raise CheckpointError(f"the optimizer/scheduler state in {path} does not load: {e}") from e
-        epoch, loss, taken = manifest.get("epoch"), manifest.get("loss"), manifest.get("time")
-        if not isinstance(epoch, int) or epoch < 0 or not isinstance(taken, (int, float)):
-            raise CheckpointError(f"{path / MANIFEST} has no valid epoch/time")
-        return LoadedCheckpoint(
-            path=path,
-            state=TrainingState(
-                model=model,
-                optimizer_state=optimizer_state,
-                scheduler_state=scheduler_state,
-                epoch=epoch,
-                loss=loss,
-                time=float(taken),
-            ),
-        )
+        return load_checkpoint(path, self.model_class)
 
     def load_newest_valid(self) -> Optional[LoadedCheckpoint]:
         """The newest checkpoint that loads; damaged ones are logged and skipped (never deleted)."""
@@ -289,6 +252,64 @@ class CheckpointManager:
             if path.name.startswith(_TMP_PREFIX):
                 logger.warning("Removing %s: an unfinished checkpoint write (never promoted)", path)
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def checkpoint_dirs(directory: Path) -> List[Path]:
+    """The checkpoint directories in ``directory`` (symbolic links left out), newest first; no side effects."""
+    found = [p for p in directory.iterdir() if _NAME.match(p.name) and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=_sort_key, reverse=True)
+
+
+def verify_checkpoint_files(path: Path) -> None:
+    """Cheap check: the manifest parses and every file it lists is present with its checksum."""
+    manifest = _read_manifest(path)
+    files = manifest.get("files")
+    if not isinstance(files, dict) or "config.json" not in files or OPTIMIZER_FILE not in files:
+        raise CheckpointError(f"{path / MANIFEST} lists no model/optimizer files")
+    for name, digest in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        if _sha256(file) != digest:
+            raise CheckpointError(f"{file} does not match its checksum (damaged or modified)")
+
+
+def load_checkpoint(path: str | os.PathLike, model_class: Type[PreTrainedModel]) -> LoadedCheckpoint:
+    """Verify and fully load one checkpoint directory (also outside a CheckpointManager, e.g. to export it)."""
+    path = Path(path)
+    verify_checkpoint_files(path)
+    manifest = _read_manifest(path)
+    try:
+        model, info = model_class.from_pretrained(path, output_loading_info=True)
+    except Exception as e:
+        raise CheckpointError(f"the model in {path} does not load: {e}") from e
+    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        raise CheckpointError(f"the model in {path} does not match {model_class.__name__}: {problems}")
+    try:
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        scheduler_file = path / SCHEDULER_FILE
+        scheduler_state = (
+            torch.load(scheduler_file, map_location="cpu", weights_only=True) if scheduler_file.exists() else None
+        )
+    except Exception as e:
+        raise CheckpointError(f"the optimizer/scheduler state in {path} does not load: {e}") from e
+    epoch, loss, taken = manifest.get("epoch"), manifest.get("loss"), manifest.get("time")
+    if not isinstance(epoch, int) or epoch < 0 or not isinstance(taken, (int, float)):
+        raise CheckpointError(f"{path / MANIFEST} has no valid epoch/time")
+    facts = manifest.get("run")  # absent in checkpoints written before the run's facts were recorded
+    return LoadedCheckpoint(
+        path=path,
+        state=TrainingState(
+            model=model,
+            optimizer_state=optimizer_state,
+            scheduler_state=scheduler_state,
+            epoch=epoch,
+            loss=loss,
+            time=float(taken),
+            facts=facts if isinstance(facts, dict) else {},
+        ),
+    )
 
 
 def _read_manifest(path: Path) -> dict:

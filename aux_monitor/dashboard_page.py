@@ -32,6 +32,10 @@ PAGE = r"""<!DOCTYPE html>
   svg text { font-size: 11px; fill: #4a5568; }
   .dead { color: #a0aec0; }
   .wide { grid-column: 1 / -1; }
+  .card .sub { font-size: 12px; color: #718096; }
+  .sample { font-family: Georgia, serif; font-size: 15px; line-height: 1.5; white-space: pre-wrap; margin: 0; }
+  .sample .prompt { font-weight: 600; }
+  .sample .continuation { color: #2b6cb0; }
 </style>
 </head>
 <body>
@@ -59,6 +63,10 @@ PAGE = r"""<!DOCTYPE html>
       <tr><th>taken</th><td id="checkpoint-time" data-value="">-</td></tr>
       <tr><th>path</th><td id="checkpoint-path">-</td></tr>
     </table>
+  </section>
+  <section class="card wide"><h2>What the model writes now</h2>
+    <p class="sample"><span class="prompt" id="sample-prompt"></span><span class="continuation" id="sample-text">no sample yet: one is generated from each new checkpoint</span></p>
+    <div class="sub">from the checkpoint of epoch <span id="sample-epoch" data-value="">-</span>, generated <span id="sample-time" data-value="">-</span></div>
   </section>
   <section class="card"><h2>Contributors</h2>
     <table id="leaderboard"><thead><tr><th>#</th><th>peer</th><th class="n">samples</th><th class="n">samples/s</th><th class="n">loss</th><th class="n">epoch</th></tr></thead><tbody></tbody></table>
@@ -132,6 +140,15 @@ function render(state) {
   document.getElementById("checkpoint-time").textContent = ckpt ? timeText(ckpt.time) : "-";
   document.getElementById("checkpoint-path").textContent = ckpt ? ckpt.path : "-";
   document.getElementById("initial-peers").textContent = state.initial_peers;
+
+  const sample = state.sample;  // textContent only: generated text is never parsed as HTML
+  if (sample) {
+    document.getElementById("sample-prompt").textContent = sample.prompt;
+    document.getElementById("sample-text").textContent = sample.text;
+    setNum("sample-epoch", sample.epoch, 0);
+    document.getElementById("sample-time").dataset.value = String(sample.time);
+    document.getElementById("sample-time").textContent = timeText(sample.time);
+  }
 
   const body = document.querySelector("#leaderboard tbody");
   while (body.firstChild) body.removeChild(body.firstChild);

@@ -7,6 +7,7 @@ by the entry point; this class only decides what to do at each refresh.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Optional, Sequence
@@ -20,6 +21,7 @@ from aux_monitor.checkpoints import CheckpointError, CheckpointManager
 from aux_monitor.evaluation import evaluate
 from aux_monitor.hub import HubUploader
 from aux_monitor.replica import SwarmReplica
+from aux_monitor.sampler import CheckpointSampler
 from aux_monitor.state import StateHolder
 from peer.swarm import events
 from peer.swarm.records import fetch_metrics
@@ -46,9 +48,11 @@ class AuxMonitor:
         checkpoints: Optional[CheckpointManager] = None,
         uploader: Optional[HubUploader] = None,
         validation: Optional[Sequence[dict]] = None,
+        sampler: Optional[CheckpointSampler] = None,
     ):
         self.dht, self.run_id, self.args, self.holder = dht, run_id, args, holder
         self.replica, self.checkpoints, self.uploader, self.validation = replica, checkpoints, uploader, validation
+        self.sampler = sampler
         self.aggregator = MetricsAggregator(alive_window=args.alive_window)
         self.last_checkpoint_epoch: Optional[int] = None
         self.last_eval_epoch: Optional[int] = None
@@ -71,6 +75,8 @@ class AuxMonitor:
         self.replica.restore(loaded.state)
         self.last_checkpoint_epoch = loaded.state.epoch
         self.holder.update(checkpoint=loaded.info())
+        if self.sampler is not None:
+            self.sampler.submit(loaded.info())
         logger.info("Resumed from %s (epoch %d)", loaded.path, loaded.state.epoch)
         events.emit(
             "state_loaded", epoch=loaded.state.epoch, source="checkpoint", reason="resume", path=str(loaded.path)
@@ -121,10 +127,11 @@ class AuxMonitor:
                     return
                 logger.info("Downloaded the swarm's state of epoch %d", held)
                 events.emit("state_loaded", epoch=held, source="swarm", reason="refresh", path=None)
-            if want_checkpoint and is_due(held, self.last_checkpoint_epoch, self.args.checkpoint_every):
-                self._checkpoint(loss=snapshot.loss)
+            # evaluation first: the checkpoint then records this epoch's validation loss among the run's facts
             if want_eval and is_due(held, self.last_eval_epoch, self.args.eval_every):
                 self._evaluate()
+            if want_checkpoint and is_due(held, self.last_checkpoint_epoch, self.args.checkpoint_every):
+                self._checkpoint(loss=snapshot.loss)
 
     def _tracked_epoch(self) -> Optional[int]:
         """The progress tracker's epoch, a consensus of the trainers' progress records that no single peer moves;
@@ -155,6 +162,7 @@ class AuxMonitor:
 
     def _checkpoint(self, loss: Optional[float]) -> None:
         state = self.replica.capture(loss=loss, taken_at=time.time())
+        state.facts = self._run_facts()
         try:
             info = self.checkpoints.save(state)
         except CheckpointError as e:
@@ -169,6 +177,17 @@ class AuxMonitor:
         self.holder.update(checkpoint=info)
         if self.uploader is not None:
             self.uploader.submit(info)
+        if self.sampler is not None:
+            self.sampler.submit(info)
+
+    def _run_facts(self) -> dict:
+        """What a model card says about the run (see aux_monitor/export.py); JSON-safe."""
+        current = self.holder.get()
+        facts = dict(run_id=self.run_id, samples_seen=current.swarm.samples_total)
+        evaluation = current.evaluation
+        if evaluation is not None and math.isfinite(evaluation.loss):
+            facts.update(validation_loss=evaluation.loss, validation_epoch=evaluation.epoch)
+        return facts
 
     def _evaluate(self) -> None:
         epoch = self.replica.held_epoch

@@ -29,12 +29,24 @@ class EvalResult:
 
 
 @dataclass(frozen=True)
+class SampleText:
+    """A continuation of a fixed prompt generated from one checkpoint (to watch the model learn)."""
+
+    epoch: int  # the checkpoint's global epoch
+    prompt: str
+    text: str  # the continuation only, without the prompt
+    time: float  # unix time it was generated
+    seconds: float  # how long loading and generating took
+
+
+@dataclass(frozen=True)
 class MonitorState:
     run_id: str
     initial_peers: str  # the "--initial_peers ..." line that joins this swarm
     swarm: SwarmSnapshot
     checkpoint: Optional[CheckpointInfo] = None
     evaluation: Optional[EvalResult] = None
+    sample: Optional[SampleText] = None
     generation: int = 0  # bumped by every update, so readers can tell two states apart
 
 

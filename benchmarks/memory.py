@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import memlib
 from benchmarks.report import (
     Row,
     add_ratios,
@@ -42,6 +41,7 @@ from benchmarks.variants import (
     lean_builder,
     unavailable_reason,
 )
+from peer import memlib
 
 logger = logging.getLogger(__name__)
 

@@ -58,6 +58,8 @@ TARGETS = {
     "lean_ckpt": {"saved_ratio": 1.0},
 }
 DEPTH_TARGET = {"saved_ratio": 1.1, "peak_ratio": 1.1}
+# activation peak of a row against another lean row of the same run (issue 14: chunked reversible backward)
+PEAK_VS_ROW_TARGETS = {"lean_reversible_chunked": ("lean_reversible", 0.6)}
 RATIO_LABELS = {"saved_ratio": "saved", "peak_ratio": "peak", "time_ratio": "time"}
 
 
@@ -101,8 +103,24 @@ def add_ratios(rows: list[Row]) -> None:
             row.time_ratio = _ratio(row.step_seconds, time_ref.step_seconds)
 
 
+def _evaluate_peak_vs_row(row: Row, by_name: dict[str, Row]) -> None:
+    other_name, limit = PEAK_VS_ROW_TARGETS[row.variant]
+    row.target = f"peak<={limit:g}x {other_name}"
+    other = by_name.get(other_name)
+    ratio = None if other is None else _ratio(row.activation_peak_bytes, other.activation_peak_bytes)
+    if ratio is None:
+        row.verdict = f"n/a ({other_name} missing; need {row.target})"
+        return
+    row.passed = ratio <= limit
+    row.verdict = ("PASS" if row.passed else "FAIL") + f": peak {ratio:.2f}x {other_name}"
+
+
 def evaluate_targets(rows: list[Row]) -> None:
     """Set ``target``, ``passed`` and ``verdict`` on the rows that have a target."""
+    by_name = {row.variant: row for row in rows if row.skipped is None}
+    for row in rows:
+        if row.variant in PEAK_VS_ROW_TARGETS and row.kind == "main" and row.skipped is None:
+            _evaluate_peak_vs_row(row, by_name)
     deepest = max((row for row in rows if row.kind == "depth"), key=lambda row: row.layers or 0, default=None)
     for row in rows:
         limits = TARGETS.get(row.variant) if row.kind == "main" else (DEPTH_TARGET if row is deepest else None)
@@ -126,7 +144,8 @@ def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value / scale:.{digits}f}"
 
 
-def _table(header: list[str], lines: list[list[str]]) -> str:
+def markdown_table(header: list[str], lines: list[list[str]]) -> str:
+    """A markdown table of already formatted cells (every benchmark's printed table)."""
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(line) + " |" for line in lines]
     return "\n".join(out)
@@ -164,7 +183,7 @@ def main_table(rows: list[Row], with_cuda: bool) -> str:
         if with_cuda:
             line += [_fmt(row.cuda_peak_bytes, MIB, 1), _fmt(row.cuda_peak_ratio)]
         lines.append(line + [row.verdict])
-    return _table(header, lines)
+    return markdown_table(header, lines)
 
 
 def depth_table(rows: list[Row]) -> str:
@@ -198,7 +217,7 @@ def depth_table(rows: list[Row]) -> str:
                 row.verdict,
             ]
         )
-    return _table(header, lines)
+    return markdown_table(header, lines)
 
 
 def breakdown_text(rows: list[Row], top: int = 8) -> str:

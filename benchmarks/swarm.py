@@ -2,7 +2,7 @@
 
 Run from the repository root, as root (each peer gets its own network namespace)::
 
-    python -m benchmarks.swarm                      # the full matrix (about 30 minutes on 2 cores)
+    python -m benchmarks.swarm                      # home, broadband x 4 modes (about 27 minutes on 2 cores)
     python -m benchmarks.swarm --quick              # tiny model, solo + sync on broadband: a minute or two
     python -m benchmarks.swarm --links home --modes solo,sync,sync+overlap --json rows.json --plot swarm.png
 
@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from benchmarks.report import markdown_table
 from benchmarks.swarm_lib import (
+    BREAKDOWN,
     LINKS,
     MODES,
     Row,
@@ -43,8 +45,10 @@ from benchmarks.swarm_lib import (
 
 logger = logging.getLogger("benchmarks.swarm")
 
-DEFAULT_LINKS = ("home", "broadband", "lan")
-DEFAULT_MODES = ("solo", "sync", "sync+overlap")
+# lan (1 Gbit/s) is one flag away; the default matrix stays within 30 minutes on 2 cores
+DEFAULT_LINKS = ("home", "broadband")
+# sync+overlap+rare_state is what the internet run presets (configs/run/*_internet.yaml) use
+DEFAULT_MODES = ("solo", "sync", "sync+overlap", "sync+overlap+rare_state")
 # --quick: the tiny model, so that peers start, join, average and exit in well under a minute each
 QUICK = dict(
     links=("broadband",),
@@ -150,45 +154,27 @@ def _fmt(value: float, digits: int = 2) -> str:
 
 
 def table(rows: Sequence[Row]) -> str:
-    head = (
-        "| link | mode | peers | samples/s | efficiency | compute share | KB/sample/peer | bound KB | × bound "
-        "| s/epoch | compute | blocked | matchmaking | grad all-reduce | state avg | opt step | downloads | val loss |"
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for row in rows:
-        b = row.breakdown
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    row.link,
-                    row.mode + (" (oversubscribed)" if row.peers > 2 else ""),
-                    str(row.peers),
-                    _fmt(row.samples_per_second),
-                    _fmt(row.efficiency),
-                    _fmt(row.compute_share),
-                    _fmt(row.bytes_per_sample / 1e3, 1),
-                    _fmt(row.bound_bytes_per_sample / 1e3, 1),
-                    _fmt(row.bytes_over_bound),
-                    _fmt(row.seconds_per_epoch, 1),
-                    *(
-                        _fmt(b.get(kind, math.nan), 1)
-                        for kind in (
-                            "compute",
-                            "blocked",
-                            "matchmaking",
-                            "grad_allreduce",
-                            "state_allreduce",
-                            "optimizer_step",
-                            "state_download",
-                        )
-                    ),
-                    _fmt(row.validation_loss, 3) + (f" ({row.error})" if row.error else ""),
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
+    header = ["link", "mode", "peers", "samples/s", "efficiency", "compute share", "KB/sample/peer", "bound KB"]
+    header += ["× bound", "s/epoch", "compute", "blocked", "matchmaking", "grad all-reduce", "state avg", "opt step"]
+    header += ["downloads", "val loss"]
+    lines = [
+        [
+            row.link,
+            row.mode + (" (oversubscribed)" if row.peers > 2 else ""),
+            str(row.peers),
+            _fmt(row.samples_per_second),
+            _fmt(row.efficiency),
+            _fmt(row.compute_share),
+            _fmt(row.bytes_per_sample / 1e3, 1),
+            _fmt(row.bound_bytes_per_sample / 1e3, 1),
+            _fmt(row.bytes_over_bound),
+            _fmt(row.seconds_per_epoch, 1),
+            *(_fmt(row.breakdown.get(kind, math.nan), 1) for kind in BREAKDOWN),
+            _fmt(row.validation_loss, 3) + (f" ({row.error})" if row.error else ""),
+        ]
+        for row in rows
+    ]
+    return markdown_table(header, lines)
 
 
 def write_plot(rows: Sequence[Row], path: Path) -> None:

@@ -151,16 +151,25 @@ def lean_config(size: BenchSize, layers: int, **overrides) -> LeanTransformerCon
     )
 
 
-def lean_builder(*, reversible: bool = False, **memory_options) -> Callable[[BenchSize, int], torch.nn.Module]:
-    """LeanGPTForCausalLM with rotary positions; ``memory_options`` go to ``apply_memory_options``."""
+def lean_builder(
+    *, reversible: bool = False, architecture: dict | None = None, **memory_options
+) -> Callable[[BenchSize, int], torch.nn.Module]:
+    """LeanGPTForCausalLM with rotary positions; ``architecture`` holds more config fields (sharing,
+    PixelFly), ``memory_options`` go to ``apply_memory_options``."""
 
     def build(size: BenchSize, layers: int) -> torch.nn.Module:
-        model = LeanGPTForCausalLM(lean_config(size, layers, reversible=reversible))
+        model = LeanGPTForCausalLM(lean_config(size, layers, reversible=reversible, **(architecture or {})))
         if memory_options:
             model = lean_model.apply_memory_options(model, **memory_options)
         return model.train()
 
     return build
+
+
+# chunks of the reversible backward in the lean_reversible_chunked row: FFN tokens, attention heads
+REV_CHUNK_TOKENS, REV_CHUNK_HEADS = 256, 4
+# with the default 256-token loss chunk the LM head's logits (31.25 MiB at the default size) set that row's peak
+REV_LOSS_CHUNK = 128
 
 
 def base_variants() -> list[Variant]:
@@ -174,6 +183,15 @@ def base_variants() -> list[Variant]:
         Variant("lean_no_custom", lean_builder(custom_ffn=False, custom_attention=False)),
         Variant("lean_ckpt", lean_builder(checkpoint_layers=True), checkpointed=True),
         Variant("lean_reversible", lean_builder(reversible=True)),
+        Variant(
+            "lean_reversible_chunked",
+            lean_builder(
+                reversible=True,
+                reversible_chunk_tokens=REV_CHUNK_TOKENS,
+                reversible_chunk_heads=REV_CHUNK_HEADS,
+                loss_chunk_size=REV_LOSS_CHUNK,
+            ),
+        ),
     ]
 
 
@@ -206,10 +224,10 @@ def _reversible_is_implemented() -> bool:
 
 def unavailable_reason(name: str) -> str | None:
     """Why a lean mode cannot be measured with the checked-out ``model/``; None if it can."""
-    if name not in ("lean_no_custom", "lean_ckpt", "lean_reversible"):
+    if name not in ("lean_no_custom", "lean_ckpt", "lean_reversible", "lean_reversible_chunked"):
         return None
     if not hasattr(lean_model, "apply_memory_options"):
         return "model.apply_memory_options does not exist yet (lean internals not merged)"
-    if name == "lean_reversible" and not _reversible_is_implemented():
+    if name.startswith("lean_reversible") and not _reversible_is_implemented():
         return "LeanTransformerConfig(reversible=True) is accepted but not implemented (output unchanged)"
     return None

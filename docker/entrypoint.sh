@@ -6,7 +6,7 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 data="${LEANHIVE_DATA:-/data}"
 p2p_port="${LEANHIVE_P2P_PORT:-31337}"
 metrics_port="${LEANHIVE_METRICS_PORT:-9100}"
-listen_host="${LEANHIVE_LISTEN_HOST:-0.0.0.0}"  # tests use 127.0.0.1
+listen_host="${LEANHIVE_LISTEN_HOST:-0.0.0.0}"  # p2p and metrics; tests use 127.0.0.1
 python="${LEANHIVE_PYTHON:-python}"
 
 usage() {
@@ -33,6 +33,7 @@ case "$role" in
       --host_maddrs "/ip4/${listen_host}/tcp/${p2p_port}" \
       --identity_path "${data}/aux_identity.key" \
       --checkpoint_dir "${data}/checkpoints" \
+      --metrics_host "${listen_host}" \
       --metrics_port "${metrics_port}" "$@"
     ;;
   -h|--help|help)

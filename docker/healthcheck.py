@@ -9,6 +9,7 @@ from typing import List, Optional
 import psutil
 
 TRAINER_SCRIPT = "run_trainer.py"
+AUX_SCRIPT = "run_aux_peer.py"
 
 
 def trainer_problem(trainer: psutil.Process) -> Optional[str]:
@@ -26,17 +27,25 @@ def trainer_problem(trainer: psutil.Process) -> Optional[str]:
     return None
 
 
-def _trainers() -> List[psutil.Process]:
+def _running(script: str) -> List[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if TRAINER_SCRIPT in " ".join(cmdline):
+        if script in " ".join(cmdline):
             found.append(proc)
     return found
 
 
+def _role() -> str:
+    """The role the entry point started. Docker runs the healthcheck with the container's environment, not the
+    entry point's (which exports LEANHIVE_ROLE), so the running peer script tells."""
+    if "LEANHIVE_ROLE" in os.environ:
+        return os.environ["LEANHIVE_ROLE"]
+    return "aux" if _running(AUX_SCRIPT) else "trainer"
+
+
 def main() -> int:
-    role = os.environ.get("LEANHIVE_ROLE", "trainer")
+    role = _role()
     if role == "aux":
         port = os.environ.get("LEANHIVE_METRICS_PORT", "9100")
         try:
@@ -45,7 +54,7 @@ def main() -> int:
         except OSError as e:
             print(f"aux peer metrics endpoint not answering: {e}", file=sys.stderr)
             return 1
-    trainers = _trainers()
+    trainers = _running(TRAINER_SCRIPT)
     if not trainers:
         print(f"no {TRAINER_SCRIPT} process is running", file=sys.stderr)
         return 1

@@ -70,6 +70,10 @@ class LeanTransformerConfig(PretrainedConfig):
         # tokens per chunk of the chunked LM loss: full (tokens x vocab) logits are never alive;
         # 0 = plain autograd loss over full logits (the reference)
         loss_chunk_size: int = 256,
+        # reversible stack only: backward of the FFN a few tokens at a time and of attention a few heads
+        # at a time, so its transient buffers shrink with the chunk (0 = whole sequence / all heads)
+        reversible_chunk_tokens: int = 0,
+        reversible_chunk_heads: int = 0,
         # token-type (segment) embeddings, e.g. 2 for ALBERT sentence pairs; 0 = none
         type_vocab_size: int = 0,
         tie_word_embeddings: bool = True,
@@ -106,6 +110,8 @@ class LeanTransformerConfig(PretrainedConfig):
         self.custom_attention = custom_attention
         self.checkpoint_layers = checkpoint_layers
         self.loss_chunk_size = loss_chunk_size
+        self.reversible_chunk_tokens = reversible_chunk_tokens
+        self.reversible_chunk_heads = reversible_chunk_heads
         self.type_vocab_size = type_vocab_size
         super().__init__(
             tie_word_embeddings=tie_word_embeddings,
@@ -133,7 +139,15 @@ class LeanTransformerConfig(PretrainedConfig):
             "num_hidden_groups",
         ):
             _check_int(self, name, minimum=1)
-        for name in ("loss_chunk_size", "adapter_dim", "block_size", "lowrank_dim", "type_vocab_size"):
+        for name in (
+            "loss_chunk_size",
+            "reversible_chunk_tokens",
+            "reversible_chunk_heads",
+            "adapter_dim",
+            "block_size",
+            "lowrank_dim",
+            "type_vocab_size",
+        ):
             _check_int(self, name, minimum=0)
         for name in (
             "gated_ffn",

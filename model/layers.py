@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from model.config import LeanTransformerConfig
 from model.linear import make_linear
-from model.ops.attention import AttentionSpec, attention_custom, attention_plain
+from model.ops.attention import AttentionSpec, CacheUpdate, attention_cached, attention_custom, attention_plain
 from model.ops.dropout import draw_seed
 from model.ops.ffn import FFNSpec, ffn_custom, ffn_plain
 from model.ops.projection import ComputeContext
@@ -75,13 +75,9 @@ class LeanSelfAttention(_PreNormSublayer):
         self.qkv = make_projection(config, hidden, 3 * hidden, shared.get("qkv"))
         self.out = make_projection(config, hidden, hidden, shared.get("out"))
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rotary: Optional[RotaryTables] = None,
-        key_padding_mask: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        spec = AttentionSpec(
+    def spec(self, hidden: torch.Tensor) -> AttentionSpec:
+        """The non-tensor part of one call; draws the dropout seeds (global RNG), as forward does."""
+        return AttentionSpec(
             qkv=self.qkv,
             out=self.out,
             num_heads=self.num_heads,
@@ -94,6 +90,22 @@ class LeanSelfAttention(_PreNormSublayer):
             residual=self.residual,
             compute=self._compute_context(hidden),
         )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: Optional[RotaryTables] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return self.run(hidden, self.spec(hidden), rotary, key_padding_mask)
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        spec: AttentionSpec,
+        rotary: Optional[RotaryTables] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         cos, sin = rotary if rotary is not None else (None, None)
         run = attention_custom if self.custom else attention_plain
         return run(
@@ -106,6 +118,18 @@ class LeanSelfAttention(_PreNormSublayer):
             key_padding_mask,
             spec,
         )
+
+    def forward_cached(
+        self,
+        hidden: torch.Tensor,
+        rotary: Optional[RotaryTables],
+        key_padding_mask: Optional[torch.Tensor],
+        update: CacheUpdate,
+    ) -> torch.Tensor:
+        """Inference on new tokens only: ``update`` appends their keys/values to this layer's KV cache."""
+        cos, sin = rotary if rotary is not None else (None, None)
+        norms = (self.norm.weight, self.norm.bias, *_norm_params(self.sandwich_norm))
+        return attention_cached(hidden, *norms, cos, sin, key_padding_mask, self.spec(hidden), update)
 
 
 class LeanFFN(_PreNormSublayer):
@@ -129,7 +153,11 @@ class LeanFFN(_PreNormSublayer):
         key_padding_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         del rotary, key_padding_mask  # same signature as attention, so stacks can treat sub-layers alike
-        spec = FFNSpec(
+        return self.run(hidden, self.spec(hidden))
+
+    def spec(self, hidden: torch.Tensor) -> FFNSpec:
+        """The non-tensor part of one call; draws the dropout seed (global RNG), as forward does."""
+        return FFNSpec(
             up=self.up,
             down=self.down,
             activation=self.activation,
@@ -140,6 +168,8 @@ class LeanFFN(_PreNormSublayer):
             residual=self.residual,
             compute=self._compute_context(hidden),
         )
+
+    def run(self, hidden: torch.Tensor, spec: FFNSpec) -> torch.Tensor:
         run = ffn_custom if self.custom else ffn_plain
         return run(hidden, self.norm.weight, self.norm.bias, *_norm_params(self.sandwich_norm), spec)
 

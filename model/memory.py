@@ -12,6 +12,7 @@ from typing import Optional
 import torch.nn as nn
 
 from model.layers import LeanFFN, LeanSelfAttention
+from model.reversible import ReversibleChunks
 from model.stack import LayerStack
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ def apply_memory_options(
     custom_attention: Optional[bool] = None,
     checkpoint_layers: Optional[bool] = None,
     loss_chunk_size: Optional[int] = None,
+    reversible_chunk_tokens: Optional[int] = None,
+    reversible_chunk_heads: Optional[int] = None,
 ) -> nn.Module:
     """Switch memory options on a built lean model (in place) and return it; None keeps the current value.
 
@@ -46,6 +49,9 @@ def apply_memory_options(
     checkpoint_layers: keep one hidden state per layer and recompute the layer in backward;
         not allowed with a reversible stack (it already keeps nothing per layer).
     loss_chunk_size: tokens per chunk of the LM loss; 0 computes full logits with plain autograd.
+    reversible_chunk_tokens / reversible_chunk_heads: a reversible stack computes its FFN backward this
+        many tokens and its attention backward this many heads at a time (0 = all at once; both 0 keep
+        revlib's whole-sub-layer backward); ignored by a non-reversible stack.
     The model's config is updated too, so save_pretrained records the options.
     """
     for name, value in (
@@ -54,12 +60,13 @@ def apply_memory_options(
         ("checkpoint_layers", checkpoint_layers),
     ):
         _check_bool(name, value)
-    if loss_chunk_size is not None and (
-        isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, int) or loss_chunk_size < 0
+    for name, value, unit in (
+        ("loss_chunk_size", loss_chunk_size, "tokens per chunk"),
+        ("reversible_chunk_tokens", reversible_chunk_tokens, "tokens per chunk"),
+        ("reversible_chunk_heads", reversible_chunk_heads, "heads per chunk"),
     ):
-        raise ValueError(
-            f"loss_chunk_size must be a non-negative integer (tokens per chunk, 0 = unchunked), got {loss_chunk_size!r}"
-        )
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be a non-negative integer ({unit}, 0 = unchunked), got {value!r}")
     stack = _find_stack(model)
     if checkpoint_layers and stack.reversible:
         raise ValueError(
@@ -73,6 +80,12 @@ def apply_memory_options(
             module.custom = custom_attention
     if checkpoint_layers is not None:
         stack.checkpoint_layers = checkpoint_layers
+    if reversible_chunk_tokens is not None or reversible_chunk_heads is not None:
+        current = stack.reversible_chunks
+        stack.reversible_chunks = ReversibleChunks(
+            current.tokens if reversible_chunk_tokens is None else reversible_chunk_tokens,
+            current.heads if reversible_chunk_heads is None else reversible_chunk_heads,
+        )
     if loss_chunk_size is not None:
         for module in model.modules():
             if hasattr(module, "loss_chunk_size"):
@@ -83,15 +96,20 @@ def apply_memory_options(
         ("custom_attention", custom_attention),
         ("checkpoint_layers", checkpoint_layers),
         ("loss_chunk_size", loss_chunk_size),
+        ("reversible_chunk_tokens", reversible_chunk_tokens),
+        ("reversible_chunk_heads", reversible_chunk_heads),
     ):
         if value is not None and config is not None:
             setattr(config, name, value)
     logger.info(
-        "memory options: custom_ffn=%s custom_attention=%s checkpoint_layers=%s loss_chunk_size=%s (None = unchanged)",
+        "memory options: custom_ffn=%s custom_attention=%s checkpoint_layers=%s loss_chunk_size=%s "
+        "reversible_chunk_tokens=%s reversible_chunk_heads=%s (None = unchanged)",
         custom_ffn,
         custom_attention,
         checkpoint_layers,
         loss_chunk_size,
+        reversible_chunk_tokens,
+        reversible_chunk_heads,
     )
     return model
 

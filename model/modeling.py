@@ -1,6 +1,7 @@
 """The lean transformer body (``LeanModel``) and its heads as Hugging Face ``PreTrainedModel``s.
 
-* ``LeanGPTForCausalLM``: causal LM; ``model(input_ids=..., labels=...).loss``.
+* ``LeanGPTForCausalLM``: causal LM; ``model(input_ids=..., labels=...).loss``; ``generate()`` with a KV cache
+  (transformers' ``DynamicCache``, see ``model.inference``).
 * ``LeanAlbertForPreTraining``: bidirectional masked LM + sentence-order prediction.
 
 Both round-trip through ``save_pretrained``/``from_pretrained`` and are registered with the Auto
@@ -16,17 +17,19 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from model.config import LeanTransformerConfig
+from model.inference import stack_forward_cached
 from model.ops.activations import activate
 from model.ops.dropout import draw_seed, seeded_dropout
 from model.ops.loss import IGNORE_INDEX, lm_loss
 from model.ops.norm import layer_norm
 from model.ops.projection import ComputeContext
-from model.ops.rotary import rotary_tables
+from model.ops.rotary import rotary_tables, rotary_tables_at
 from model.stack import LayerStack
 
 
@@ -99,16 +102,18 @@ class LeanModel(LeanPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings = value
 
-    def _embed(self, input_ids, token_type_ids):
+    def _embed(self, input_ids, token_type_ids, position_ids):
         seq_len = input_ids.shape[1]
         hidden = self.embeddings(input_ids)
         if self.positions is not None:
-            if seq_len > self.config.max_position_embeddings:
+            last = seq_len if position_ids is None else int(position_ids.max()) + 1
+            if last > self.config.max_position_embeddings:
                 raise ValueError(
-                    f"sequence length {seq_len} exceeds max_position_embeddings "
+                    f"sequence length {last} exceeds max_position_embeddings "
                     f"({self.config.max_position_embeddings}); use shorter sequences or rotary positions"
                 )
-            hidden = hidden + self.positions(torch.arange(seq_len, device=input_ids.device))
+            positions = torch.arange(seq_len, device=input_ids.device) if position_ids is None else position_ids
+            hidden = hidden + self.positions(positions)
         if self.token_types is not None:
             hidden = hidden + self.token_types(
                 token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
@@ -123,28 +128,75 @@ class LeanModel(LeanPreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        past_key_values: Optional[Cache] = None,
+        use_cache: Optional[bool] = None,
         **kwargs,
-    ) -> BaseModelOutput:
-        """attention_mask: [batch, seq], 1 for real tokens and 0 for padding (HF convention)."""
-        hidden = self._embed(input_ids, token_type_ids)
+    ) -> BaseModelOutputWithPast:
+        """attention_mask: [batch, seq], 1 for real tokens and 0 for padding (HF convention); with a cache it
+        covers the cached tokens too ([batch, past + seq]).
+
+        position_ids: [batch, seq] positions of the tokens (default 0..seq-1, or past..past+seq-1 after a cache).
+        past_key_values / use_cache: inference with a KV cache (``generate()`` passes them): only the new tokens
+        are computed, attending to the cached keys and values; the cache is returned, extended.
+        """
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if past_key_values is not None:
+            self._check_cache_allowed(past_key_values)
+            if position_ids is None:
+                past = past_key_values.get_seq_length()
+                position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
+                position_ids = position_ids.expand(input_ids.shape[0], -1)
+        hidden = self._embed(input_ids, token_type_ids, position_ids)
         if self.config.fp32_residual:  # residual stream in (at least) fp32 whatever the compute dtype
             hidden = hidden.to(torch.promote_types(hidden.dtype, torch.float32))
         compute = ComputeContext.current(hidden.device, self.final_norm.weight.dtype)
         rotary = None
-        if self.config.position_embedding_type == "rotary":
+        if self.config.position_embedding_type == "rotary" and position_ids is None:
             rotary = rotary_tables(
                 input_ids.shape[1], self.config.head_dim, self.config.rotary_base, hidden.device, compute.dtype
             )
+        elif self.config.position_embedding_type == "rotary":
+            rotary = rotary_tables_at(position_ids, self.config.head_dim, self.config.rotary_base, compute.dtype)
         key_padding_mask = None
         if attention_mask is not None and not bool(attention_mask.all()):
             key_padding_mask = attention_mask.bool()
-        hidden = self.stack(hidden, rotary, key_padding_mask)
+        if past_key_values is None:
+            hidden = self.stack(hidden, rotary, key_padding_mask)
+        else:
+            expected = past_key_values.get_seq_length() + input_ids.shape[1]
+            if attention_mask is not None and attention_mask.shape[-1] != expected:
+                raise ValueError(
+                    f"with a KV cache, attention_mask must cover the cached and the new tokens: expected "
+                    f"[batch, {expected}], got {list(attention_mask.shape)}"
+                )
+            hidden = stack_forward_cached(self.stack, hidden, rotary, key_padding_mask, past_key_values)
         hidden = layer_norm(hidden, self.final_norm.weight, self.final_norm.bias, self.config.layer_norm_eps)
-        return BaseModelOutput(last_hidden_state=hidden)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+
+    def _check_cache_allowed(self, cache) -> None:
+        if not isinstance(cache, Cache):
+            raise ValueError(
+                f"past_key_values must be a transformers Cache (e.g. DynamicCache()), got {type(cache).__name__}"
+            )
+        if self.config.attention_type != "causal":
+            raise ValueError("a KV cache needs causal attention; this model is bidirectional (attention_type)")
+        if torch.is_grad_enabled():
+            raise ValueError(
+                "the KV cache is for inference only: run under torch.no_grad() (generate() does), "
+                "or pass use_cache=False to train"
+            )
+        dropout = max(self.config.hidden_dropout_prob, self.config.attention_probs_dropout_prob)
+        if self.training and dropout > 0:
+            raise ValueError(f"the KV cache runs without dropout (p={dropout}): call model.eval() before generating")
 
 
-class LeanGPTForCausalLM(LeanPreTrainedModel):
-    """Causal LM; with labels, the loss is chunked and logits are returned only if asked for."""
+class LeanGPTForCausalLM(LeanPreTrainedModel, GenerationMixin):
+    """Causal LM; with labels, the loss is chunked and logits are returned only if asked for.
+
+    ``generate()`` (greedy, sampling, beam search) uses a KV cache unless ``use_cache=False``.
+    """
 
     _tied_weights_keys = {"lm_head.weight": "transformer.embeddings.weight"}
 
@@ -177,14 +229,27 @@ class LeanGPTForCausalLM(LeanPreTrainedModel):
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         return_logits: bool = False,
+        position_ids: Optional[torch.Tensor] = None,
+        past_key_values: Optional[Cache] = None,
+        use_cache: Optional[bool] = None,
+        logits_to_keep: int = 0,
         **kwargs,
-    ) -> CausalLMOutput:
+    ) -> CausalLMOutputWithPast:
         """labels: [batch, seq] token ids (usually input_ids); position t predicts labels[:, t + 1].
 
         Labels equal to -100, and labels at padded positions (attention_mask == 0), are ignored.
-        Logits are returned when no labels are given or when return_logits=True.
+        Logits are returned when no labels are given or when return_logits=True; logits_to_keep > 0 computes
+        them for the last that many positions only (generate() asks for 1).
+        position_ids, past_key_values, use_cache: see LeanModel.forward (inference with a KV cache).
         """
-        hidden = self.transformer(input_ids, attention_mask).last_hidden_state
+        outputs = self.transformer(
+            input_ids,
+            attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+        )
+        hidden = outputs.last_hidden_state
         if self.head_proj is not None:
             hidden = self.head_proj(hidden.to(self.head_proj.weight.dtype))
         loss = logits = None
@@ -194,8 +259,10 @@ class LeanGPTForCausalLM(LeanPreTrainedModel):
             targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # shift targets, not hidden (no copy)
             loss = lm_loss(hidden.flatten(0, 1), self.lm_head.weight, None, targets.flatten(), self.loss_chunk_size)
         if labels is None or return_logits:
+            if logits_to_keep > 0:
+                hidden = hidden[:, -logits_to_keep:]
             logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The layer stack: plain, checkpointed (one saved hidden state per layer) or reversible (revlib).
+"""The layer stack: plain, checkpointed (one saved hidden state per layer) or reversible (revlib, or
+model.reversible when its backward is chunked).
 
 Parameter sharing lives here too: ALBERT-style groups of consecutive layers reuse one ``LeanLayer``,
 and ``share_large_matrices`` hands every layer the same projection matrices (each layer keeps its own
@@ -18,6 +19,7 @@ from model.config import LeanTransformerConfig
 from model.layers import LeanLayer
 from model.linear import make_shared_matrix
 from model.ops.rotary import RotaryTables
+from model.reversible import ReversibleChunks, reversible_stack
 
 
 def _make_shared_matrices(config: LeanTransformerConfig) -> Dict[str, nn.Module]:
@@ -45,6 +47,8 @@ class LayerStack(nn.Module):
         self.checkpoint_layers = config.checkpoint_layers
         # False runs the reversible architecture with plain autograd (the reference); a memory option
         self.reversible_memory_savings = True
+        # chunked reversible backward (model.reversible); all zero keeps revlib's whole-sub-layer backward
+        self.reversible_chunks = ReversibleChunks(config.reversible_chunk_tokens, config.reversible_chunk_heads)
 
     def layer(self, index: int) -> LeanLayer:
         return self.groups[index // self.layers_per_group]
@@ -73,6 +77,10 @@ class LayerStack(nn.Module):
         # Wrappers are rebuilt per call: they hold no parameters and capture the current autocast state.
         savings = self.reversible_memory_savings and torch.is_grad_enabled()
         autocast = _AutocastState.current(hidden.device.type)
+        if savings and (self.reversible_chunks.tokens or self.reversible_chunks.heads):
+            return reversible_stack(
+                self._sublayers(), hidden, rotary, key_padding_mask, self.reversible_chunks, autocast
+            )
         wrappers = [ReversibleModule(_WithAutocast(sub, autocast), memory_savings=savings) for sub in self._sublayers()]
         zeros = torch.zeros_like(hidden)
         streams = (hidden, hidden, zeros, zeros) if savings else (hidden, hidden)

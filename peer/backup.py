@@ -16,18 +16,19 @@ from typing import Optional
 import torch
 
 from peer.swarm import events
+from peer.swarm.backup_format import (  # noqa: F401 (BackupError is part of this module's interface)
+    BACKUP_NAME,
+    PREVIOUS_BACKUP_NAME,
+    BackupError,
+    backup_schema,
+    read_backup,
+)
 from peer.swarm.hivemind_seam import sync_offloaded_parameters
 from peer.swarm.tensors import all_finite, atomic_torch_save, tensor_digest
 
 logger = logging.getLogger(__name__)
 
-BACKUP_NAME = "backup.pt"
-PREVIOUS_BACKUP_NAME = "backup.prev.pt"  # the backup before the newest one, used if the newest is damaged
 FINAL_PARAMS_NAME = "final_params.pt"
-
-
-def _schema(model: torch.nn.Module) -> list:
-    return [(name, list(param.shape)) for name, param in model.state_dict().items()]
 
 
 def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[Path]:
@@ -51,7 +52,7 @@ def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[
             return None
         path = Path(output_dir) / BACKUP_NAME
         payload = dict(
-            model=model.state_dict(), optimizer=opt_state, schema=_schema(model), epoch=optimizer.local_epoch
+            model=model.state_dict(), optimizer=opt_state, schema=backup_schema(model), epoch=optimizer.local_epoch
         )
         payload["digest"] = tensor_digest(payload)
         try:
@@ -94,29 +95,10 @@ def load_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[
 def _read_backup(path: Path, model: torch.nn.Module) -> Optional[dict]:
     """The backup's contents if it is intact and fits this model, else None with a log line that says why."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        reason = "the file is empty" if path.stat().st_size == 0 else (str(e).strip().splitlines() or [repr(e)])[0]
-        logger.error("Ignoring the unreadable backup %s (%s); delete it or fix it to silence this", path, reason[:160])
+        return read_backup(path, model)
+    except BackupError as e:
+        logger.error("Ignoring the backup %s: %s", path, e)
         return None
-    if not isinstance(payload, dict) or "model" not in payload or "optimizer" not in payload:
-        logger.error("Ignoring the backup %s: it is not a LeanHive backup", path)
-        return None
-    digest = payload.pop("digest", None)
-    if digest is not None and digest != tensor_digest(payload):
-        logger.error("Ignoring the damaged backup %s: its contents do not match its checksum", path)
-        return None
-    if payload.get("schema") != _schema(model):
-        logger.error(
-            "Ignoring the backup %s: it was written for a different model config "
-            "(use another --output_dir for a different model)",
-            path,
-        )
-        return None
-    if not all_finite(payload["model"].values()):
-        logger.error("Ignoring the backup %s: it contains NaN/inf parameters", path)
-        return None
-    return payload
 
 
 def save_final_params(output_dir: str, model: torch.nn.Module, epoch: int) -> Path:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import sys
-from typing import Optional, Sequence, Type
+from typing import Optional, Sequence, Tuple, Type
 
 from model import load_config
+from peer.memory_plan import MemoryPlan, MemoryPlanArguments, apply_plan, plan_for_training
 from peer.model_setup import choose_placement
 from peer.swarm import process_guard
 from peer.swarm.cli_args import DataclassArgumentParser
@@ -34,6 +36,7 @@ def build_parser() -> DataclassArgumentParser:
             TrainingArguments,
             DataArguments,
             EventArguments,
+            MemoryPlanArguments,
         ],
         preset_dirs=[RUN_PRESETS_DIR],
         prog="leanhive-trainer",
@@ -42,25 +45,49 @@ def build_parser() -> DataclassArgumentParser:
 
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> TrainerConfig:
-    """Parse and validate everything that can be checked before joining; bad values exit with status 2."""
+    """Parse and validate everything that can be checked before joining; bad values exit with status 2.
+
+    With --memory_budget the memory planner's choices replace the flags it plans (see peer/memory_plan.py)."""
+    return parse_and_plan(argv)[0]
+
+
+def parse_and_plan(argv: Optional[Sequence[str]] = None) -> Tuple[TrainerConfig, Optional[MemoryPlan], bool]:
+    """(config, memory plan or None, plan_only)."""
     parser = build_parser()
-    network, collaboration, optimizer, training, data, events = parser.parse_into_dataclasses(argv)
+    network, collaboration, optimizer, training, data, events, memory = parser.parse_into_dataclasses(argv)
+    plan = None
     try:
         model_config = load_config(training.model_config)
         if choose_placement(training).uses_grad_scaler and collaboration.sync_mode == "local":
             raise ValueError("--sync_mode local does not support fp16 yet: use --precision bf16 or fp32")
         check_tokenizer_fits(load_tokenizer(data), model_config.vocab_size)
+        if memory.memory_budget is not None:
+            plan = plan_for_training(training, data.max_sequence_length, memory)
+            if not memory.plan_only:
+                training = apply_plan(training, plan, model_config.reversible)
     except (OSError, ValueError) as e:
         parser.error(str(e))
-    return TrainerConfig(
+    config = TrainerConfig(
         network=network, collaboration=collaboration, optimizer=optimizer, training=training, data=data, events=events
     )
+    return config, plan, memory.plan_only
+
+
+def print_plan(plan: MemoryPlan) -> int:
+    """--plan_only: one JSON line, then a readable table; status 1 when nothing fits."""
+    print(plan.to_json())
+    print(plan.table())
+    return 0 if plan.chosen is not None else 1
 
 
 def main(argv: Optional[Sequence[str]] = None, *, peer_class: Type[TrainerPeer] = TrainerPeer) -> int:
     """Run a trainer peer; ``peer_class`` lets a test entry point run a subclass (run_trainer.py never does)."""
-    config = parse_config(argv)
+    config, plan, plan_only = parse_and_plan(argv)
+    if plan_only:
+        return print_plan(plan)
     configure_logging()
+    if plan is not None:
+        logging.getLogger(__name__).info("memory plan: %s", plan.to_json())
     process_guard.install()  # before any hivemind process exists
     return run_peer(peer_class(config), events_file=config.events.events_file)
 

@@ -15,6 +15,16 @@ from peer.swarm.config import TrainingArguments
 
 logger = logging.getLogger(__name__)
 
+# TrainingArguments fields that are model memory options (model.apply_memory_options keywords)
+MEMORY_OPTION_FIELDS = (
+    "checkpoint_layers",
+    "custom_ffn",
+    "custom_attention",
+    "loss_chunk_size",
+    "reversible_chunk_tokens",
+    "reversible_chunk_heads",
+)
+
 
 @dataclass
 class Placement:
@@ -52,11 +62,7 @@ def choose_placement(args: TrainingArguments) -> Placement:
 
 def apply_memory_options(model: torch.nn.Module, args: TrainingArguments) -> None:
     """The one place where memory options are applied to a built model (model/ owns how)."""
-    options = {
-        name: getattr(args, name)
-        for name in ("checkpoint_layers", "custom_ffn", "custom_attention", "loss_chunk_size")
-        if getattr(args, name) is not None
-    }
+    options = {name: getattr(args, name) for name in MEMORY_OPTION_FIELDS if getattr(args, name) is not None}
     if options:
         model_memory_options(model, **options)
         logger.info("Memory options: %s", ", ".join(f"{k}={v}" for k, v in options.items()))

@@ -148,6 +148,13 @@ def test_aux_peer_with_trainers(tmp_path):
         assert all(torch.isfinite(p).all() for p in model.parameters())
         assert json.loads((path / MANIFEST).read_text())["epoch"] == int(newest.split("_")[1])
 
+        # each new checkpoint is continued from the fixed prompt in a background thread; the page shows it
+        sample = wait_for(lambda: api_state(url).get("sample"), timeout=60, what="a sample from a checkpoint")
+        assert sample["prompt"] == "The" and sample["epoch"] > 0 and isinstance(sample["text"], str)
+        dom = DashboardDom(dump_dom(url + "/", tmp_path / "chromium-sample"))
+        assert dom.text("sample-prompt") == "The" and int(dom.value("sample-epoch")) >= sample["epoch"]
+        assert json.loads((path / MANIFEST).read_text())["run"]["run_id"] == RUN_ID  # the run's facts, for exports
+
         # ---------------------------------------------------------------- 2. all trainers die; a new one joins
         state = api_state(url)
         old_peers = {p["peer"] for p in state["swarm"]["peers"]}

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import memlib
 from benchmarks.memory import MemoryBenchConfig
 from benchmarks.variants import SIZES, base_variants
+from peer import memlib
 
 REPO = Path(__file__).resolve().parents[1]
 FLOAT = 4  # bytes per fp32 element
@@ -190,3 +190,32 @@ def test_cli_cuda_request_falls_back_to_cpu_and_says_so(tmp_path):
     assert "CUDA requested but not available: running on CPU." in result.stdout
     assert "Skipped on CPU (CUDA only)" in result.stdout
     assert "| hf_gpt2_sdpa |" in result.stdout and "_bf16" not in result.stdout
+
+
+def test_ablation_report_smoke_tiny(tmp_path, capsys):
+    from benchmarks import ablation
+
+    rows = ablation.main(["--size", "tiny", "--threads", "1", "--plot", str(tmp_path / "ablation.png")])
+    by_option = {row["option"]: row for row in rows}
+    assert rows[0]["option"] == "plain" and rows[0]["peak_ratio"] == 1.0
+    assert by_option["sharing"]["parameter_ratio"] < 1.0  # the exact figures are the benchmark's business
+    assert (tmp_path / "ablation.png").stat().st_size > 0
+    assert "8-bit LAMB in CPU RAM" in capsys.readouterr().out
+
+
+def test_generation_benchmark_smoke(tmp_path, capsys):
+    """One small run of the generation benchmark: the table, the JSON rows and the chart (no timing asserted)."""
+    from benchmarks import generation
+
+    argv = ["--prompts", "8,24", "--new_tokens", "2", "--repeats", "1", "--hidden_size", "32", "--num_layers", "1"]
+    argv += ["--vocab_size", "64", "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "gen.png")]
+    assert generation.main(argv) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert {(r["variant"], r["prompt"]) for r in rows} == {
+        (variant, prompt) for variant in ("lean_cache", "lean_no_cache", "hf_gpt2_cache") for prompt in (8, 24)
+    }
+    assert all(r["ms_per_token"] >= 0 for r in rows)
+    assert "growth (log-log slope)" in capsys.readouterr().out
+    assert (tmp_path / "gen.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        generation.main(["--prompts", "64,8"])  # not increasing: a clear argparse error

@@ -6,11 +6,15 @@ import pytest
 
 from aux_monitor.aggregation import MetricsAggregator, SwarmSnapshot, peer_label
 from aux_monitor.server import MonitorApp, MonitorServer, render_dashboard
-from aux_monitor.state import CheckpointInfo, MonitorState, StateHolder
+from aux_monitor.state import CheckpointInfo, MonitorState, SampleText, StateHolder
 from peer.swarm.records import LocalMetrics
 from tests.support.aux import ARTIFACTS, DashboardDom, dump_dom, http_get, scrape, screenshot
 
 JOIN = "--initial_peers /ip4/127.0.0.1/tcp/4242/p2p/12D3KooWTestTestTest"
+# generated text is shown as text, never parsed as HTML
+SAMPLE = SampleText(
+    epoch=2, prompt="The swarm", text=" learns <b>together</b> & fast", time=1_700_000_100.0, seconds=1.5
+)
 
 
 def sample_state() -> MonitorState:
@@ -42,6 +46,7 @@ def sample_state() -> MonitorState:
         initial_peers=JOIN,
         swarm=snapshot,
         checkpoint=CheckpointInfo(epoch=2, time=1_700_000_000.0, path="/data/ckpt/epoch_000002"),
+        sample=SAMPLE,
     )
 
 
@@ -66,6 +71,7 @@ def test_json_endpoint(server):
     assert [p["peer"] for p in swarm["peers"]] == [peer_label(b"[owner:a]"), peer_label(b"[owner:b]")]
     assert state["checkpoint"]["path"] == "/data/ckpt/epoch_000002"
     assert state["evaluation"] is None
+    assert state["sample"] == dict(epoch=2, prompt="The swarm", text=SAMPLE.text, time=SAMPLE.time, seconds=1.5)
 
     holder.update(swarm=SwarmSnapshot.empty(5.0), checkpoint=None)  # the endpoint follows the live state
     assert json.loads(http_get(url + "/api/state")[1])["swarm"]["loss"] is None
@@ -104,6 +110,10 @@ def test_browser_shows_the_same_numbers_as_metrics(server, tmp_path):
     assert dom.text("checkpoint-time") == "2023-11-14 22:13:20 UTC"
     assert dom.text("checkpoint-path") == "/data/ckpt/epoch_000002"
     assert dom.text("initial-peers") == JOIN
+    assert dom.text("sample-prompt") == "The swarm"
+    assert dom.by_id["sample-text"]["_text"] == SAMPLE.text  # as text: no <b> element was created
+    assert int(dom.value("sample-epoch")) == 2
+    assert dom.text("sample-time") == "2023-11-14 22:15:00 UTC"
 
     shown = {row["data-peer"]: int(row["data-samples"]) for row in dom.rows}
     exported = {

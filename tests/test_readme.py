@@ -28,6 +28,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_RE = re.compile(r"<!-- readme-test: (?P<meta>.*?) -->\n```bash\n(?P<body>.*?)```", re.S)
+PYTHON_BLOCK_RE = re.compile(r"<!-- readme-test: python -->\n```python\n(?P<body>.*?)```", re.S)
+# the README exports the demo's checkpoints (outputs/demo/, the demo's default --workdir, which IN_TMP moves)
+DEMO_OUTPUTS = "outputs/demo/"
 ANY_BLOCK_RE = re.compile(r"```(?:bash|sh|shell|console)\n", re.S)
 JOIN_RE = re.compile(r"--initial_peers (/\S+(?: /\S+)*)")
 SHORTER = {"bash scripts/demo.sh": ["--duration", "100"], "bash scripts/test.sh": ["--collect-only", "-q"]}
@@ -150,6 +153,7 @@ def docker_to_local(command: str, env: dict, tmp_path: Path):
 def test_readme_commands_run(tmp_path):
     _, blocks = readme_blocks()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "hf-modules")  # where loading an export with remote code copies it
     # commands run in a folder of links to the repository, so the files they write land in tmp_path
     workdir = tmp_path / "work"
     workdir.mkdir()
@@ -167,7 +171,7 @@ def test_readme_commands_run(tmp_path):
                         extra = [*SHORTER[command], *IN_TMP.get(command, lambda _: [])(tmp_path)]
                         argv = ["bash", "-c", "exec " + command + " " + " ".join(map(shlex.quote, extra))]
                     else:
-                        argv = shell_argv(command, env)
+                        argv = shell_argv(command.replace(DEMO_OUTPUTS, f"{tmp_path / 'demo'}/"), env)
                     result = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
                     assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
                     if command == "bash scripts/demo.sh":
@@ -192,3 +196,24 @@ def test_readme_commands_run(tmp_path):
         for peer in exporters:
             code = peer.stop()
             assert code == 0, peer.output()[-3000:]
+
+
+def test_readme_python_example_generates_from_an_export(tmp_path):
+    """The README's generation example, run as written against a folder exported from a real checkpoint."""
+    from aux_monitor.export import ExportArguments, export
+    from tests.support.model import save_tiny_checkpoint
+
+    text = (ROOT / "README.md").read_text()
+    blocks = PYTHON_BLOCK_RE.findall(text)
+    assert len(blocks) == text.count("```python\n") == 1, "a python block in README.md has no readme-test marker"
+    [code] = blocks
+    assert len([line for line in code.splitlines() if line.strip()]) == 3
+    checkpoint = save_tiny_checkpoint(tmp_path / "checkpoints", epoch=4)
+    export(ExportArguments(source=checkpoint.path, output=str(tmp_path / "outputs" / "my_model"), verify=False))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "hf-modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("The swarm") and len(result.stdout.strip()) > len("The swarm")

@@ -99,6 +99,23 @@ def test_tokenizer_problems_exit_2_before_joining(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("preset", ["small_internet", "base_internet", "tiny"])
+def test_print_config_writes_a_preset_that_reads_back(preset, tmp_path, capsys):
+    from peer.cli import parse_config
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--config", preset, "--run_id", "printed", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "run_id: printed" in printed  # flags override the preset
+    written = tmp_path / "printed.yaml"
+    written.write_text(printed)
+    with pytest.raises(SystemExit):
+        parse_config(["--config", str(written), "--print_config"])
+    assert capsys.readouterr().out == printed  # every value survives the round trip
+
+
 @pytest.mark.timeout(150)
 def test_bad_preset_exits_2_end_to_end(tmp_path):
     preset = tmp_path / "run.yaml"

@@ -481,3 +481,23 @@ def test_a_stop_signal_lost_while_joining_still_stops_the_peer(after, tmp_path):
         assert "run entered, stop requested: True" in log
     else:
         assert "raising it again" in log and "Interrupted: leaving" in log and "run entered" not in log
+
+
+def test_debug_loggers_env_turns_on_debug_for_the_named_loggers_only(monkeypatch):
+    import logging
+
+    from peer.swarm.lifecycle import DEBUG_LOGGERS_ENV, configure_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    named = [logging.getLogger(name) for name in ("hivemind.averaging.matchmaking", "leanhive.test.debug")]
+    monkeypatch.setenv(DEBUG_LOGGERS_ENV, "hivemind.averaging.matchmaking, leanhive.test.debug,")
+    try:
+        configure_logging()
+        assert all(logger.isEnabledFor(logging.DEBUG) for logger in named)
+        assert not logging.getLogger("hivemind.dht").isEnabledFor(logging.DEBUG)
+        assert not logging.getLogger("peer.trainer").isEnabledFor(logging.DEBUG)
+    finally:
+        root.handlers[:], root.level = saved
+        for logger in named:
+            logger.setLevel(logging.NOTSET)

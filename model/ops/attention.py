@@ -11,12 +11,17 @@ both dropout masks are regenerated from seeds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from model.ops.attention_core import attention_backward, attention_forward, attention_reference
+from model.ops.attention_core import (
+    attention_backward,
+    attention_forward,
+    attention_over_cache,
+    attention_reference,
+)
 from model.ops.norm import layer_norm, layer_norm_with_stats
 from model.ops.projection import ComputeContext, project, project_backward, projection_params
 from model.ops.rotary import rotate, rotate_, rotate_inverse_into
@@ -76,6 +81,25 @@ def attention_plain(
     )
     y = spec.out(attn.transpose(1, 2).flatten(2))
     return tail_plain(y, x, sandwich_w, sandwich_b, spec.eps, spec.dropout_p, spec.dropout_seed, spec.residual)
+
+
+# appends the new keys and values ([batch, heads, new, head_dim]) to a layer's cache and returns all of them
+CacheUpdate = Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+
+
+def attention_cached(
+    x, norm_w, norm_b, sandwich_w, sandwich_b, cos, sin, key_padding_mask, spec: AttentionSpec, update: CacheUpdate
+) -> torch.Tensor:
+    """Inference with a KV cache (no dropout): attention_plain for the new tokens only; ``cos``/``sin`` are the
+    new tokens' rotary tables and ``key_padding_mask`` covers every key, cached ones included."""
+    normed = layer_norm(x, norm_w, norm_b, spec.eps).to(spec.compute.dtype)
+    q, k, v = _split_heads(spec.qkv(normed), spec.num_heads).unbind(2)
+    if cos is not None:
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    keys, values = update(k.transpose(1, 2), v.transpose(1, 2))
+    attn = attention_over_cache(q.transpose(1, 2), keys, values, key_padding_mask)
+    y = spec.out(attn.transpose(1, 2).flatten(2))
+    return tail_plain(y, x, sandwich_w, sandwich_b, spec.eps, 0.0, None, spec.residual)
 
 
 def attention_custom(

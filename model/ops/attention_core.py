@@ -9,6 +9,7 @@ keys, and a query row with no visible key outputs zeros (only padded queries can
 * ``chunked`` (any device, supports dropout): processes query chunks, recomputes probabilities in
   backward from the saved logsumexp, and regenerates each chunk's dropout mask from a seed.
 * ``attention_reference``: plain autograd over materialised probabilities (the reference).
+* ``attention_over_cache`` (inference): the newest queries over cached keys plus their own, causal.
 """
 
 from __future__ import annotations
@@ -180,3 +181,22 @@ def attention_reference(
         ]
         probs = probs * torch.cat(masks, dim=2)
     return torch.matmul(probs, v)
+
+
+def attention_over_cache(q, k, v, key_padding_mask: Optional[torch.Tensor], scale: Optional[float] = None):
+    """Inference with a KV cache: q holds the last q.shape[-2] positions, k and v every position so far.
+
+    Query i (absolute position past + i) sees keys 0..past + i; key_padding_mask covers all keys. Chunked
+    like the training core, so a long prompt never materialises (seq x seq) scores at once.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    past = k.shape[-2] - q.shape[-2]
+    padding = additive_padding_mask(key_padding_mask, _softmax_dtype(q.dtype))
+    b, h, s, d = q.shape
+    out = torch.empty(b, h, s, d, dtype=q.dtype, device=q.device)
+    for start, end in query_chunks(b, h, s, k.shape[-2]):
+        scores = _masked_scores(q[:, :, start:end], k, past + start, True, padding, scale)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        lse.masked_fill_(torch.isinf(lse), 0.0)  # rows with no visible key -> zero output, as in training
+        out[:, :, start:end] = torch.matmul(scores.sub_(lse).exp_().to(v.dtype), v)
+    return out

@@ -19,6 +19,14 @@ def rotary_tables(seq_len: int, head_dim: int, base: float, device, dtype) -> Ro
     return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
 
 
+def rotary_tables_at(positions: torch.Tensor, head_dim: int, base: float, dtype) -> RotaryTables:
+    """cos and sin at explicit positions ([batch, seq] ints, e.g. after left padding or past a KV cache):
+    shape [batch, seq, 1, head_dim // 2]; the same values rotary_tables gives at those positions."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
+    angles = positions.to(torch.float64)[..., None] * inv_freq
+    return angles.cos().to(dtype)[:, :, None, :], angles.sin().to(dtype)[:, :, None, :]
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate pairs (x[..., i], x[..., i + d/2]) by +angle (or -angle when inverse); autograd-friendly.
 

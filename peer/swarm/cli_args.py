@@ -13,6 +13,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import sys
 import textwrap
 import types
 import typing
@@ -116,6 +117,15 @@ def _flag_kwargs(annotation) -> Dict[str, Any]:
     return dict(type=_optional(parse) if optional else parse, metavar=inner.__name__.upper())
 
 
+def _plain(value: Any) -> Any:
+    """A dataclass field's value in YAML's types (paths as strings, tuples as lists)."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
 def _default_text(field: dataclasses.Field) -> str:
     if field.default is not dataclasses.MISSING:
         return repr(field.default)
@@ -152,6 +162,12 @@ class DataclassArgumentParser(argparse.ArgumentParser):
             + ", ".join(str(d) for d in self.preset_dirs)
             + " or a path to a YAML file of flag: value pairs; flags given on the command "
             "line override it",
+        )
+        self.add_argument(
+            "--print_config",
+            action="store_true",
+            default=False,
+            help="print the resolved settings (defaults < --config preset < flags) as a YAML run preset, then exit",
         )
         for cls in self.dataclass_types:
             self._add_dataclass(cls)
@@ -238,6 +254,7 @@ class DataclassArgumentParser(argparse.ArgumentParser):
     def parse_into_dataclasses(self, argv: Optional[Sequence[str]] = None) -> Tuple[Any, ...]:
         """Parse argv (sys.argv by default) into one instance per dataclass type, validated."""
         namespace = vars(self.parse_args(argv))
+        print_config = namespace.pop("print_config", False)
         values = self.load_preset(namespace.pop("config")) if namespace.get("config") else {}
         namespace.pop("config", None)
         values.update(namespace)
@@ -248,4 +265,17 @@ class DataclassArgumentParser(argparse.ArgumentParser):
                 instances.append(cls(**own))
             except (ValueError, TypeError, OSError) as e:  # OSError: a path that does not exist (--dataset)
                 self.error(str(e))
+        if print_config:
+            sys.stdout.write(self.as_preset(instances))
+            self.exit(0)
         return tuple(instances)
+
+    def as_preset(self, instances: Sequence[Any]) -> str:
+        """The validated settings as a YAML run preset that ``--config`` reads back."""
+        settings = {}
+        for instance in instances:
+            for field in dataclasses.fields(instance):
+                if field.init and not field.name.startswith("_"):
+                    value = getattr(instance, field.name)
+                    settings[field.name] = _plain(value)
+        return yaml.safe_dump(settings, sort_keys=False)

@@ -207,6 +207,10 @@ class TrainingArguments:
     loss_chunk_size: Optional[int] = None
     """Tokens per chunk of the LM loss, so full logits never exist at once; 0 computes full logits
     (None keeps the config's value)."""
+    reversible_chunk_tokens: Optional[int] = None
+    """Reversible models: FFN backward this many tokens at a time; 0 = all at once (None keeps the config's value)."""
+    reversible_chunk_heads: Optional[int] = None
+    """Reversible models: attention backward this many heads at a time; 0 = all at once (None keeps the config's)."""
     init_seed: int = 0
     """Seed of the model initialization (the same on every peer, so epoch-0 parameters agree)."""
     backup_every_epochs: int = 5
@@ -233,6 +237,12 @@ class TrainingArguments:
             self.loss_chunk_size is None or self.loss_chunk_size >= 0,
             f"loss_chunk_size must be a number of tokens >= 0 (0: full logits), got {self.loss_chunk_size!r}",
         )
+        for name in ("reversible_chunk_tokens", "reversible_chunk_heads"):
+            value = getattr(self, name)
+            require(
+                value is None or (isinstance(value, int) and value >= 0),
+                f"{name} must be an integer >= 0 (0: no chunking), got {value!r}",
+            )
         require(
             self.torch_threads is None or self.torch_threads >= 1,
             f"torch_threads must be a positive integer, got {self.torch_threads!r}",

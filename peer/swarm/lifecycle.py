@@ -21,15 +21,21 @@ from peer.swarm.errors import NetworkSetupError
 logger = logging.getLogger(__name__)
 
 LOG_LEVEL_ENV = "LEANHIVE_LOG_LEVEL"
+DEBUG_LOGGERS_ENV = "LEANHIVE_DEBUG_LOGGERS"
 
 
 def configure_logging() -> None:
-    """Once per process: our format and level (LEANHIVE_LOG_LEVEL, default INFO) for us and hivemind."""
+    """Once per process: our format and level (LEANHIVE_LOG_LEVEL, default INFO) for us and hivemind, and DEBUG for
+    the loggers named in LEANHIVE_DEBUG_LOGGERS (comma-separated, e.g. ``hivemind.averaging.matchmaking`` to see
+    why averaging rounds find no group, without the flood of a global DEBUG)."""
     from hivemind.utils.logging import use_hivemind_log_handler
 
     level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s [%(name)s] %(message)s", force=True)
     use_hivemind_log_handler("in_root_logger")
+    for name in os.environ.get(DEBUG_LOGGERS_ENV, "").split(","):
+        if name.strip():
+            logging.getLogger(name.strip()).setLevel(logging.DEBUG)
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     # hivemind replays the LR schedule on joining, before any optimizer step: expected, not a mistake
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")

@@ -5,6 +5,8 @@
 - ``trainers``: start a trainer on the tiny preset, its epochs and losses, final parameters.
 - ``aux``: the aux peer in a swarm, HTTP and /metrics, headless Chromium, a real Prometheus.
 - ``model``: small float64 models and reference comparisons for the model tests.
+- ``docker``: a real Docker engine for the opt-in end-to-end test: local base images, the wheelhouse, image
+  builds, containers and their cleanup.
 - ``netem``: emulated internet links between test hosts (network namespaces, tbf, a delay/partition proxy).
 - ``faults``: the fault matrix (``scenarios``), a swarm on emulated links (``swarm``), hostile DHT records and
   averaging probes, and ``injection``: the env-driven faults that only ``fault_trainer`` acts on.

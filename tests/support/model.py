@@ -98,3 +98,19 @@ class SavedTensors:
     @property
     def shapes(self) -> List[Tuple[int, ...]]:
         return [tuple(t.shape) for t in self.tensors]
+
+
+def save_tiny_checkpoint(directory, epoch: int, seed: int = 0, facts: Optional[dict] = None):
+    """An aux checkpoint (written by the real CheckpointManager) of a ``tiny`` preset model, whose vocabulary is
+    the shipped tokenizer's; returns its CheckpointInfo."""
+    import time
+
+    from aux_monitor.checkpoints import CheckpointManager, TrainingState
+    from model import LeanGPTForCausalLM, load_config
+
+    torch.manual_seed(seed)
+    model = LeanGPTForCausalLM(load_config("tiny"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = CheckpointManager(directory, keep=5, model_class=LeanGPTForCausalLM)
+    state = TrainingState(model, optimizer.state_dict(), None, epoch, 7.25, time.time(), facts=dict(facts or {}))
+    return manager.save(state)

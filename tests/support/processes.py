@@ -86,6 +86,8 @@ class PeerProcess:
             "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONPATH": python_path,
+            # a few lines per round, so that a log printed for a failed test says why a round found no group
+            "LEANHIVE_DEBUG_LOGGERS": "hivemind.averaging.matchmaking",
             **(env or {}),
         }
         self.cwd = cwd

@@ -75,6 +75,7 @@ Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
   ``_tag_along_with_zero_weight``.
 
 Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
+- ``__init__``: sets its own state (consensus, claims, refutations) before hivemind's, which starts the thread.
 - ``_parse_swarm_progress_data`` (private): bounds what one signed record may claim before hivemind's arithmetic
   (a lead over the median of the peers' epochs is followed only until a state download refutes it, a throughput
   cap, ``time`` within the clock skew); writes hivemind's ``global_progress`` again after a refutation; reads the
@@ -209,6 +210,15 @@ OVERRIDDEN_METHODS = [
     ),
     (hivemind.Optimizer, "_make_state_averager", "(self, **kwargs) -> 'TrainingStateAverager'"),
     (hivemind.Optimizer, "_make_progress_tracker", "(self, target_batch_size: 'int', **kwargs) -> 'ProgressTracker'"),
+    (
+        ProgressTracker,
+        "__init__",
+        "(self, dht: hivemind.dht.dht.DHT, prefix: str, target_batch_size: int, *, client_mode: Optional[bool] = "
+        "None, min_refresh_period: float = 0.5, max_refresh_period: float = 10, default_refresh_period: float = 3, "
+        "expected_drift_peers: float = 3, expected_drift_rate: float = 0.2, performance_ema_alpha: float = 0.1, "
+        "metadata_expiration: float = 60.0, status_loglevel: int = 10, private_key: "
+        "Optional[hivemind.utils.crypto.RSAPrivateKey] = None, daemon: bool = True, start: bool)",
+    ),
     (ProgressTracker, "run", "(self)"),
     (
         ProgressTracker,

@@ -61,6 +61,16 @@ class LeanHiveProgressTracker(ProgressTracker):
     votes_own_epoch = True
     """False for an auxiliary peer: it observes the trainers, its own (downloaded, often older) epoch is no vote."""
 
+    def __init__(self, *args, **kwargs):
+        # set before hivemind's __init__, which starts the thread that parses records
+        self._in_sync = False  # this peer's epoch reached the swarm's: from then on it votes
+        self._refuted: Dict[bytes, float] = {}  # subkey -> monotonic time until which its lead is ignored
+        self._strikes: Dict[bytes, int] = {}  # subkey -> number of refuted claims
+        self._claims: Dict[bytes, int] = {}  # subkey -> epoch it claims beyond the consensus, at the last fetch
+        self._last_metadata: Optional[dict] = None
+        self._logged_outliers: set = set()
+        super().__init__(*args, **kwargs)
+
     def run(self):
         # hivemind's progress fetcher returns on shutdown without cancelling its shutdown-checker and DHT-getter
         # tasks; they would be destroyed with the loop ("Task was destroyed but it is pending!" at exit)
@@ -106,15 +116,14 @@ class LeanHiveProgressTracker(ProgressTracker):
                 parsed[subkey] = record
 
         votes = [r.epoch for key, r in parsed.items() if not r.client_mode and key != own_key]
-        if getattr(self, "_in_sync", False) and not self.client_mode and self.votes_own_epoch:
+        if self._in_sync and not self.client_mode and self.votes_own_epoch:
             votes.append(self.local_progress.epoch)
         consensus = statistics.median_low(votes) if votes else None
         self.consensus_epoch = consensus
-        refuted = self.__dict__.setdefault("_refuted", {})
         claims = {}
         if consensus is not None:
             for key in [key for key, r in parsed.items() if r.epoch > consensus + MAX_EPOCH_LEAD]:
-                if refuted.get(key, -math.inf) > time.monotonic():
+                if self._refuted.get(key, -math.inf) > time.monotonic():
                     self._ignore(
                         key,
                         "epoch",
@@ -132,14 +141,12 @@ class LeanHiveProgressTracker(ProgressTracker):
         """A state download just ended at ``epoch``: the peers that claimed more than ``MAX_EPOCH_LEAD`` beyond it
         are not followed for ``REFUTED_SECONDS``, and the swarm's progress is re-estimated without them. Call it
         with the tracker paused (``pause_updates``), as hivemind's own download does."""
-        refuted = self.__dict__.setdefault("_refuted", {})
-        liars = [key for key, claim in getattr(self, "_claims", {}).items() if claim > epoch + MAX_EPOCH_LEAD]
-        strikes = self.__dict__.setdefault("_strikes", {})
+        liars = [key for key, claim in self._claims.items() if claim > epoch + MAX_EPOCH_LEAD]
         for key in liars:
-            strikes[key] = strikes.get(key, 0) + 1
+            self._strikes[key] = self._strikes.get(key, 0) + 1
             # doubling: a peer that keeps claiming what no state has costs one download per hour at most
-            seconds = min(REFUTED_SECONDS * 2 ** (strikes[key] - 1), MAX_REFUTED_SECONDS)
-            refuted[key] = time.monotonic() + seconds
+            seconds = min(REFUTED_SECONDS * 2 ** (self._strikes[key] - 1), MAX_REFUTED_SECONDS)
+            self._refuted[key] = time.monotonic() + seconds
             logger.warning(
                 "Peer %s claimed epoch %d, but the swarm's state is at epoch %d: ignoring its lead for %.0f s (a "
                 "broken or hostile peer)",
@@ -148,7 +155,7 @@ class LeanHiveProgressTracker(ProgressTracker):
                 epoch,
                 seconds,
             )
-        if liars and getattr(self, "_last_metadata", None):
+        if liars and self._last_metadata:
             self.global_progress = self._parse_swarm_progress_data(self._last_metadata)
 
     def _bounded_progress(self, records: Dict[bytes, LocalTrainingProgress], now: float) -> GlobalTrainingProgress:
@@ -213,9 +220,8 @@ class LeanHiveProgressTracker(ProgressTracker):
         )
 
     def _ignore(self, subkey: bytes, reason: str, detail: str) -> None:
-        logged = self.__dict__.setdefault("_logged_outliers", set())
-        level = logging.DEBUG if (subkey, reason) in logged else logging.WARNING
-        logged.add((subkey, reason))
+        level = logging.DEBUG if (subkey, reason) in self._logged_outliers else logging.WARNING
+        self._logged_outliers.add((subkey, reason))
         action = "Capped" if reason == "capped" else "Ignoring"
         logger.log(
             level,
