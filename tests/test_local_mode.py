@@ -57,7 +57,9 @@ def test_outer_sgd_is_nesterov_sgd_in_float64():
     rounds = [[torch.randn_like(p) for p in start] for _ in range(4)]
     expected = _reference_nesterov([p.clone() for p in start], rounds, lr=0.7, momentum=0.9)
     params = [p.clone() for p in start]
-    outer = make_outer_sgd(params, CollaborationArguments(sync_mode="local"))
+    # the groups hivemind hands over carry the inner LAMB's weight decay: the outer step must not apply it
+    groups = [dict(params=params[:1], weight_decay=0.1), dict(params=params[1:], weight_decay=0.0)]
+    outer = make_outer_sgd(groups, CollaborationArguments(sync_mode="local"))
     for grads in rounds:
         for p, g in zip(params, grads):
             p.grad = g.clone()
@@ -88,11 +90,6 @@ BATCH = 8
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=False,
-    reason="fails: after a round the parameters differ from the two peers' mean by about half their difference "
-    "(a round closed without the other peer's pseudo-gradient?); cause not found yet, see /work/notes/s7_13.md",
-)
 def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging():
     share_tensors_by_file_descriptor()
     collab = CollaborationArguments(
@@ -124,10 +121,6 @@ def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging
             assert optimizer.local_updates and isinstance(optimizer.grad_averager, PseudoGradientAverager)
             peers.append((model, optimizer, make_inner_optimizer(model, OPTIM)))
 
-        # a tracker that does not see the other peer yet closes the round alone (by its own ETA, no all-reduce)
-        deadline = time.monotonic() + 30
-        while min(opt.tracker.global_progress.num_peers for _, opt, _ in peers) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
         for round_index in range(2):
             locals_after_step = []
             for seed, (model, optimizer, inner) in enumerate(peers):
@@ -151,9 +144,11 @@ def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging
                 assert optimizer.local_epoch == round_index + 1
                 for got, want in zip(model.parameters(), expected):
                     torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
+                # the outer optimizer's copy is the model's (in the order of the optimizer's parameter groups)
+                want_of = {id(param): want for param, want in zip(model.parameters(), expected)}
                 shared = optimizer.grad_averager.shared_parameters
-                for got, want in zip(shared, expected):  # the outer optimizer's copy is the model's
-                    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+                for got, param in zip(shared, optimizer.state_averager.main_parameters):
+                    torch.testing.assert_close(got, want_of[id(param)], rtol=0, atol=1e-6)
     finally:
         for _, optimizer, _ in peers:
             optimizer.shutdown()

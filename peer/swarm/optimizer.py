@@ -91,8 +91,15 @@ def make_lamb(param_groups: List[dict], args: OptimizerArguments) -> CPULamb8Bit
 
 def make_outer_sgd(params, args: CollaborationArguments) -> torch.optim.SGD:
     """The outer optimizer of --sync_mode local: Nesterov SGD on the shared parameters (DiLoCo)."""
+    groups = list(params)
+    if groups and isinstance(groups[0], dict):
+        # hivemind hands over parameter_groups(), whose groups carry the inner LAMB's weight_decay; SGD would apply
+        # it to the shared parameters on top of the averaged pseudo-gradient (decay belongs to the inner steps)
+        groups = [dict(params=group["params"]) for group in groups]
     momentum = args.outer_momentum
-    return torch.optim.SGD(params, lr=args.outer_learning_rate, momentum=momentum, nesterov=momentum > 0)
+    return torch.optim.SGD(
+        groups, lr=args.outer_learning_rate, momentum=momentum, nesterov=momentum > 0, weight_decay=0.0
+    )
 
 
 def set_inner_learning_rate(inner: torch.optim.Optimizer, epoch: int, args: OptimizerArguments) -> float:
