@@ -115,6 +115,27 @@ def final_epoch(folder: Path) -> int:
     return torch.load(Path(folder) / "final_params.pt", map_location="cpu", weights_only=True)["epoch"]
 
 
+def params_dir(folder: Path, name: str) -> Path:
+    """Where the trainer called ``name`` dumps its parameters after each global epoch when started with
+    ``env={PARAMS_DIR_ENV: str(params_dir(folder, name))}``."""
+    return Path(folder) / name / "params"
+
+
+def per_epoch_param_differences(folders: Sequence[Path]) -> Dict[int, float]:
+    """For every global epoch that all these parameter-dump folders (``params_dir``) hold: the largest absolute
+    difference of any parameter between the first peer and each other peer after that epoch."""
+    dumps = [{int(path.stem.split("_")[1]): path for path in Path(f).glob("epoch_*.pt")} for f in folders]
+    common = sorted(set(dumps[0]).intersection(*dumps[1:]))
+    differences = {}
+    for epoch in common:
+        reference, *others = [torch.load(d[epoch], map_location="cpu", weights_only=True) for d in dumps]
+        differences[epoch] = max(
+            (float((tensor - other[name]).abs().max()) for other in others for name, tensor in reference.items()),
+            default=0.0,
+        )
+    return differences
+
+
 def max_param_difference(folders: List[Path]) -> float:
     """Largest absolute difference of any parameter between the first peer and each other peer."""
     reference = final_params(folders[0])
