@@ -84,3 +84,26 @@ def test_f_nan_and_huge_gradients_keep_parameters_finite_and_loss_falling(tmp_pa
     assert result.details["checks"]["honest parameters stayed finite at every epoch"], _explain(result)
     assert result.details["checks"]["honest loss kept falling"], _explain(result)
     assert result.survived and not result.data_lost, _explain(result)
+
+
+# --sync_mode local (issue 13): b and c in that mode, and a third trainer joining in the middle of a round
+
+
+@pytest.mark.timeout(600)
+def test_w_local_mode_sigkill_during_pseudo_gradient_allreduce(tmp_path):
+    result = scenarios.kill_during_allreduce(tmp_path, sync_mode="local")
+    assert result.recover_seconds is not None, _explain(result)
+    assert result.survived and result.epochs_lost == 0, _explain(result)
+
+
+@pytest.mark.timeout(600)
+def test_x_local_mode_partitioned_trainer_rejoins_and_matches(tmp_path):
+    result = scenarios.partition_and_heal(tmp_path, partition_seconds=30, match_within=3, sync_mode="local")
+    assert result.details.get("matched_at_epoch") is not None, _explain(result)
+    assert result.survived and result.epochs_lost == 0, _explain(result)
+
+
+@pytest.mark.timeout(600)
+def test_y_local_mode_join_mid_round_three_peers_agree_every_round(tmp_path):
+    result = scenarios.join_mid_round_local(tmp_path)
+    assert result.survived, _explain(result)

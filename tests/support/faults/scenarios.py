@@ -21,6 +21,7 @@ import torch
 
 from tests.support.aux import wait_for
 from tests.support.faults import broken_peer, hostile_records, hostile_state, slow_link
+from tests.support.faults.injection import PARAMS_DIR_ENV
 from tests.support.faults.swarm import (
     BROADBAND,
     INTERNET,
@@ -36,6 +37,8 @@ from tests.support.trainers import (
     epoch_losses,
     final_epoch,
     max_param_difference,
+    params_dir,
+    per_epoch_param_differences,
     start_trainer,
 )
 
@@ -1167,21 +1170,22 @@ def _mode_label(sync_mode: str) -> str:
 
 def join_mid_round_local(folder: Path, *, epochs: int = 12) -> ScenarioResult:
     """y. --sync_mode local on loopback: two trainers train, a third joins in the middle of a round. It must
-    download the shared parameters and the outer optimizer's state, train along, and all three must end with the
-    same shared parameters (exact averaging: within 1e-6)."""
+    download the shared parameters and the outer optimizer's state, train along, and all three must end every
+    round they finished together with the same shared parameters (exact averaging: within 1e-6)."""
     started = time.monotonic()
     details: Dict[str, Any] = {}
     flags = ["--max_epochs", str(epochs), "--sync_mode", "local", "--target_batch_size", "128", "--compression", "none"]
     peers = []
     joined_at = None
+    dumps = {name: {PARAMS_DIR_ENV: str(params_dir(folder, name))} for name in "abc"}  # parameters after each round
     try:
-        first = start_trainer(folder, "a", "midround", extra=[*flags, "--min_peers", "2"])
+        first = start_trainer(folder, "a", "midround", extra=[*flags, "--min_peers", "2"], env=dumps["a"])
         peers.append(first)
         join = first.initial_peers(STARTUP)
-        second = start_trainer(folder, "b", "midround", initial_peers=join, extra=flags)
+        second = start_trainer(folder, "b", "midround", initial_peers=join, extra=flags, env=dumps["b"])
         peers.append(second)
         second.events.wait("epoch_done", timeout=240, count=2)
-        late = start_trainer(folder, "c", "midround", initial_peers=join, extra=flags)
+        late = start_trainer(folder, "c", "midround", initial_peers=join, extra=flags, env=dumps["c"])
         peers.append(late)
         event = late.events.wait(
             "state_loaded", timeout=STARTUP, where=lambda e: e["source"] == "swarm" and e["reason"] == "join"
@@ -1202,6 +1206,11 @@ def join_mid_round_local(folder: Path, *, epochs: int = 12) -> ScenarioResult:
         details["max_param_difference"] = max_param_difference(folders)
         _check(details, "all reached max_epochs", details["final_epochs"] == [epochs] * 3)
         _check(details, "all hold the same shared parameters", details["max_param_difference"] <= 1e-6)
+        rounds = per_epoch_param_differences([params_dir(folder, name) for name in "abc"])
+        details["rounds_all_three_finished"] = sorted(rounds)
+        details["max_param_difference_per_round"] = max(rounds.values(), default=None)
+        _check(details, "all three finished rounds together", len(rounds) >= 2)
+        _check(details, "same shared parameters after every such round", max(rounds.values(), default=1.0) <= 1e-6)
         contributed = [e for e in epoch_losses(peers[2]) if joined_at is not None and e >= joined_at]
         details["joiner_rounds"] = len(contributed)
         _check(details, "the joiner trained along", len(contributed) >= 2)
