@@ -6,16 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.faults.injection import PARAMS_DIR_ENV
+from tests.support import trainers
 from tests.support.processes import kill_all, wait_all
-from tests.support.trainers import (
-    epoch_losses,
-    final_epoch,
-    max_param_difference,
-    params_dir,
-    per_epoch_param_differences,
-    start_trainer,
-)
+from tests.support.trainers import epoch_losses, final_epoch, max_param_difference, start_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +29,7 @@ def swarm():
 def test_two_local_mode_peers_agree_and_a_sync_peer_is_refused(tmp_path, swarm):
     epochs = "12"
     common = ["--max_epochs", epochs, *LOCAL, *EXACT]
-    dumps = {name: {PARAMS_DIR_ENV: str(params_dir(tmp_path, name))} for name in "ab"}  # parameters after each round
+    dumps = {name: trainers.param_dump_env(tmp_path, name) for name in "ab"}  # parameters after each round
     first = start_trainer(tmp_path, "a", "local_pair", extra=[*common, "--min_peers", "2"], env=dumps["a"])
     swarm.append(first)
     initial_peers = first.initial_peers(STARTUP)
@@ -57,6 +50,6 @@ def test_two_local_mode_peers_agree_and_a_sync_peer_is_refused(tmp_path, swarm):
     # both took part in most rounds (not one peer alone), and end every round with the same shared parameters
     assert len(set(epoch_losses(first)) & set(epoch_losses(second))) >= int(epochs) // 2
     assert max_param_difference([tmp_path / "a", tmp_path / "b"]) <= 1e-6
-    differences = per_epoch_param_differences([params_dir(tmp_path, name) for name in "ab"])
+    differences = trainers.round_param_differences(tmp_path, "ab")
     assert len(differences) >= int(epochs) // 2, f"rounds both peers finished: {sorted(differences)}"
     assert max(differences.values()) <= 1e-6, f"shared parameters differ after a round: {differences}"

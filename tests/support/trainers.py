@@ -116,15 +116,20 @@ def final_epoch(folder: Path) -> int:
 
 
 def params_dir(folder: Path, name: str) -> Path:
-    """Where the trainer called ``name`` dumps its parameters after each global epoch when started with
-    ``env={PARAMS_DIR_ENV: str(params_dir(folder, name))}``."""
+    """Where the trainer called ``name`` dumps its parameters after each global epoch (``param_dump_env``)."""
     return Path(folder) / name / "params"
 
 
-def per_epoch_param_differences(folders: Sequence[Path]) -> Dict[int, float]:
-    """For every global epoch that all these parameter-dump folders (``params_dir``) hold: the largest absolute
-    difference of any parameter between the first peer and each other peer after that epoch."""
-    dumps = [{int(path.stem.split("_")[1]): path for path in Path(f).glob("epoch_*.pt")} for f in folders]
+def param_dump_env(folder: Path, name: str) -> Dict[str, str]:
+    """``start_trainer``'s env for a trainer that dumps its parameters after each global epoch into
+    ``params_dir(folder, name)`` (the test entry point does it)."""
+    return {PARAMS_DIR_ENV: str(params_dir(folder, name))}
+
+
+def round_param_differences(folder: Path, names: Sequence[str]) -> Dict[int, float]:
+    """For every global epoch that all these trainers dumped (``param_dump_env``): the largest absolute difference
+    of any parameter between the first trainer and each other one after that epoch."""
+    dumps = [{int(p.stem.split("_")[1]): p for p in params_dir(folder, name).glob("epoch_*.pt")} for name in names]
     common = sorted(set(dumps[0]).intersection(*dumps[1:]))
     differences = {}
     for epoch in common:
