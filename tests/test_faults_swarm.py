@@ -2,8 +2,9 @@
 (20 Mbit/s, 100 ms RTT; tests/support/netem), each scenario with its bound.
 
 Opt-in: ``LEANHIVE_FULL_FAULTS=1 python -m pytest tests/test_faults_swarm.py`` (about 15 minutes on a 2-core
-machine; needs root and iproute2 for network namespaces). The default run skips them; the fast subset
-(tests/test_faults_fast.py, tests/test_faults_watchdog.py, tests/test_faults_units.py) always runs.
+machine, plus about 3 for the --sync_mode local scenarios w, x, y; needs root and iproute2 for network
+namespaces). The default run skips them; the fast subset (tests/test_faults_fast.py, tests/test_faults_watchdog.py,
+tests/test_faults_units.py) always runs.
 ``python -m benchmarks.faults`` runs the same scenarios and prints the results table.
 """
 
