@@ -29,6 +29,7 @@ from peer.swarm import events
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
 from peer.swarm.data import DataArguments, build_validation_dataset, check_tokenizer_fits, load_tokenizer
 from peer.swarm.events import EventArguments
+from peer.swarm.joining import check_sync_mode
 from peer.swarm.network import NetworkArguments, connect
 from peer.swarm.optimizer import build_optimizer
 from peer.swarm.watchdog import DHTWatchdog
@@ -100,6 +101,7 @@ class AuxPeer:
 
         swarm = connect(net)
         self.dht, self.watchdog = swarm.dht, swarm.watchdog
+        check_sync_mode(self.dht, net.run_id, self.config.collaboration.sync_mode)  # before it declares its own
 
         # the trainers' own factory: same run_id, parameter groups, target batch size and compression
         self.optimizer = build_optimizer(

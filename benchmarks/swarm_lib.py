@@ -53,6 +53,10 @@ MODES: Dict[str, List[str]] = {
     # parameters averaged every 8 epochs instead of every epoch (peers step identically in between)
     "sync+rare_state": ["--average_state_every", "8"],
     "sync+overlap+rare_state": ["--delay_optimizer_step", "--delay_grad_averaging", "--average_state_every", "8"],
+    # --sync_mode local (DiLoCo-style): H = local LAMB steps per peer per round at the default 2 peers x 4 samples;
+    # the shared parameters are averaged every 8 rounds only (the pseudo-gradient all-reduce keeps peers together)
+    "local_h16": ["--sync_mode", "local", "--average_state_every", "8"],
+    "local_h64": ["--sync_mode", "local", "--target_batch_size", "512", "--average_state_every", "8"],
 }
 """Mode -> trainer flags added to the common ones."""
 

@@ -58,7 +58,8 @@ def parse_and_plan(argv: Optional[Sequence[str]] = None) -> Tuple[TrainerConfig,
     plan = None
     try:
         model_config = load_config(training.model_config)
-        choose_placement(training)
+        if choose_placement(training).uses_grad_scaler and collaboration.sync_mode == "local":
+            raise ValueError("--sync_mode local does not support fp16 yet: use --precision bf16 or fp32")
         check_tokenizer_fits(load_tokenizer(data), model_config.vocab_size)
         if memory.memory_budget is not None:
             plan = plan_for_training(training, data.max_sequence_length, memory)

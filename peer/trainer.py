@@ -33,8 +33,9 @@ from peer.swarm.data import (
     make_batches,
 )
 from peer.swarm.events import EventArguments
-from peer.swarm.hivemind_seam import LeanHiveGradientAverager, LeanHiveOptimizer
+from peer.swarm.hivemind_seam import LeanHiveGradientAverager, LeanHiveOptimizer, PseudoGradientAverager
 from peer.swarm.joining import (
+    check_sync_mode,
     count_other_state_sharing_peers,
     download_state,
     final_barrier,
@@ -43,7 +44,7 @@ from peer.swarm.joining import (
     wait_for_swarm,
 )
 from peer.swarm.network import NetworkArguments, connect
-from peer.swarm.optimizer import build_optimizer
+from peer.swarm.optimizer import build_optimizer, make_inner_optimizer, set_inner_learning_rate
 from peer.swarm.records import LocalMetrics, publish_metrics
 from peer.swarm.tensors import all_finite
 from peer.swarm.watchdog import DHTWatchdog
@@ -90,6 +91,7 @@ def _peer_seed(dht: hivemind.DHT) -> int:
 class TrainerPeer:
     # the averager class of the gradients (a test entry point runs a subclass that injects faults)
     grad_averager_class = LeanHiveGradientAverager
+    pseudo_grad_averager_class = PseudoGradientAverager  # the same, for --sync_mode local
 
     def __init__(self, config: TrainerConfig):
         self.config = config
@@ -98,6 +100,7 @@ class TrainerPeer:
         self.dht: Optional[hivemind.DHT] = None
         self.watchdog: Optional[DHTWatchdog] = None
         self.optimizer: Optional[LeanHiveOptimizer] = None
+        self.inner_optimizer: Optional[torch.optim.Optimizer] = None  # --sync_mode local: this peer's own LAMB
         self.model: Optional[torch.nn.Module] = None
         self.placement: Optional[Placement] = None
         self.grad_scaler = None
@@ -117,7 +120,9 @@ class TrainerPeer:
         self.placement = choose_placement(train)  # fail on bad device/precision before touching the network
         swarm = connect(net)
         self.dht, self.watchdog, self.public_key = swarm.dht, swarm.watchdog, swarm.public_key
+        check_sync_mode(self.dht, net.run_id, self.config.collaboration.sync_mode)  # before it declares its own
 
+        local = self.config.collaboration.sync_mode == "local"  # fp16 was refused by parse_config
         self.model = build_model(train, self.placement)
         if self.placement.uses_grad_scaler:
             self.grad_scaler = hivemind.GradScaler()
@@ -133,7 +138,10 @@ class TrainerPeer:
             # hivemind's GradScaler unscales the accumulated gradients only when they live in .grad
             reuse_grad_buffers=self.grad_scaler is not None,
             grad_averager_class=self.grad_averager_class,
+            pseudo_grad_averager_class=self.pseudo_grad_averager_class,
         )
+        if local:
+            self.inner_optimizer = make_inner_optimizer(self.model, self.config.optimizer)
         self._build_data()
         self._join()
 
@@ -217,9 +225,15 @@ class TrainerPeer:
                 self._count_skipped(stats)
                 return
         elif not finite:
-            self.optimizer.zero_grad(set_to_none=False)
+            self._zero_grad()
             self._count_skipped(stats)
             return
+        elif self.inner_optimizer is not None:
+            # local mode: this peer's own step now; hivemind only counts the samples toward the round
+            set_inner_learning_rate(self.inner_optimizer, self.optimizer.local_epoch, self.config.optimizer)
+            self.inner_optimizer.step()
+            self._zero_grad()
+            self.optimizer.step(batch_size=self.batch_size_per_step)
         else:
             self.optimizer.step(batch_size=self.batch_size_per_step)
             self.optimizer.zero_grad(set_to_none=False)
@@ -231,6 +245,12 @@ class TrainerPeer:
         self.samples_total += self.batch_size_per_step
         if self.local_step % train.log_every_steps == 0:
             self._log_progress(loss_sum / train.gradient_accumulation_steps, stats)
+
+    def _zero_grad(self) -> None:
+        if self.inner_optimizer is not None:  # hivemind refuses zero_grad with the averager's reuse_grad_buffers
+            self.model.zero_grad(set_to_none=False)
+        else:
+            self.optimizer.zero_grad(set_to_none=False)
 
     def _accumulate_gradients(self) -> float:
         """Forward and backward over this local step's micro-batches; returns the summed loss."""
@@ -283,7 +303,7 @@ class TrainerPeer:
             stats.steps,
             stats.skipped_steps,
             new_epoch,
-            self.optimizer.opt.param_groups[0]["lr"],
+            (self.inner_optimizer or self.optimizer.opt).param_groups[0]["lr"],
         )
         events.emit(
             "epoch_done",
@@ -297,7 +317,19 @@ class TrainerPeer:
             peers=self.optimizer.tracker.global_progress.num_peers,
         )
         self._publish(stats)
+        if self.optimizer.missed_round:
+            self._resync_after_missed_round()
         self._after_update(new_epoch)
+
+    def _resync_after_missed_round(self) -> None:
+        """--sync_mode local: this peer's pseudo-gradient missed the round's all-reduce; take the shared state of
+        a peer that made it (else train on: the next state averaging round pulls this peer back)."""
+        self.optimizer.missed_round = False
+        logger.warning("Missed the all-reduce before round %d: loading the swarm's state", self.optimizer.local_epoch)
+        if download_state(self.optimizer, self.config.collaboration.load_state_attempts):
+            events.emit(
+                "state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="missed_round", path=None
+            )
 
     def _after_update(self, new_epoch: int) -> None:
         """After an epoch's update: NaN/inf parameters are recovered, else the periodic backup is written."""

@@ -2,8 +2,9 @@
 (20 Mbit/s, 100 ms RTT; tests/support/netem), each scenario with its bound.
 
 Opt-in: ``LEANHIVE_FULL_FAULTS=1 python -m pytest tests/test_faults_swarm.py`` (about 15 minutes on a 2-core
-machine; needs root and iproute2 for network namespaces). The default run skips them; the fast subset
-(tests/test_faults_fast.py, tests/test_faults_watchdog.py, tests/test_faults_units.py) always runs.
+machine, plus about 3 for the --sync_mode local scenarios w, x, y; needs root and iproute2 for network
+namespaces). The default run skips them; the fast subset (tests/test_faults_fast.py, tests/test_faults_watchdog.py,
+tests/test_faults_units.py) always runs.
 ``python -m benchmarks.faults`` runs the same scenarios and prints the results table.
 """
 
@@ -84,3 +85,31 @@ def test_f_nan_and_huge_gradients_keep_parameters_finite_and_loss_falling(tmp_pa
     assert result.details["checks"]["honest parameters stayed finite at every epoch"], _explain(result)
     assert result.details["checks"]["honest loss kept falling"], _explain(result)
     assert result.survived and not result.data_lost, _explain(result)
+
+
+# --sync_mode local (issue 13): b and c in that mode, and a third trainer joining in the middle of a round
+
+
+@pytest.mark.timeout(600)
+def test_w_local_mode_sigkill_during_pseudo_gradient_allreduce(tmp_path):
+    result = scenarios.kill_during_allreduce(tmp_path, sync_mode="local")
+    assert result.recover_seconds is not None, _explain(result)
+    assert result.survived and result.epochs_lost == 0, _explain(result)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.xfail(
+    strict=False,
+    reason="fails (issue 13, measured once): in local mode the cut-off trainer spends the partition in the "
+    "missed-round state download instead of pausing, and matched the others 4 epochs after the heal, not 3",
+)
+def test_x_local_mode_partitioned_trainer_rejoins_and_matches(tmp_path):
+    result = scenarios.partition_and_heal(tmp_path, partition_seconds=30, match_within=3, sync_mode="local")
+    assert result.details.get("matched_at_epoch") is not None, _explain(result)
+    assert result.survived and result.epochs_lost == 0, _explain(result)
+
+
+@pytest.mark.timeout(600)
+def test_y_local_mode_join_mid_round_three_peers_agree_every_round(tmp_path):
+    result = scenarios.join_mid_round_local(tmp_path)
+    assert result.survived, _explain(result)

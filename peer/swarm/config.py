@@ -14,7 +14,10 @@ from typing import Literal, Optional
 from configs import RUN_PRESETS_DIR
 from peer.swarm.validate import integer_at_least, non_negative, positive, require
 
-__all__ = ["RUN_PRESETS_DIR", "CollaborationArguments", "OptimizerArguments", "TrainingArguments"]
+__all__ = ["RUN_PRESETS_DIR", "SYNC_MODES", "CollaborationArguments", "OptimizerArguments", "TrainingArguments"]
+
+
+SYNC_MODES = ("sync", "local")
 
 
 @dataclass
@@ -64,6 +67,18 @@ class CollaborationArguments:
     """Seconds this peer's published metrics stay visible in the DHT after its last update."""
     verbose: bool = False
     """Log hivemind's internal events (matchmaking, averaging rounds, state downloads)."""
+    sync_mode: Literal["sync", "local"] = "sync"
+    """sync: every global epoch the swarm all-reduces its accumulated gradients and everyone takes one 8-bit LAMB
+    step. local (DiLoCo-style, for slow links): each peer takes a LAMB step after every local step on its own
+    parameters; when the swarm reaches target_batch_size samples (one round: about target_batch_size /
+    (peers x batch per step) local steps per peer) it all-reduces the pseudo-gradients (shared parameters at the
+    start of the round minus its own) and takes one outer Nesterov-SGD step on the shared parameters. Every peer
+    of a run must use the same mode."""
+    outer_learning_rate: float = 0.7
+    """local mode: learning rate of the outer Nesterov SGD on the averaged pseudo-gradients (DiLoCo's 0.7)."""
+    outer_momentum: float = 0.9
+    """local mode: momentum of the outer Nesterov SGD (DiLoCo's 0.9; 0 with outer_learning_rate 1 is plain
+    parameter averaging)."""
 
     def __post_init__(self):
         require(
@@ -89,6 +104,22 @@ class CollaborationArguments:
         integer_at_least(self, 1, "average_state_every", "compression_threshold", "min_peers", "load_state_attempts")
         non_negative(self, "startup_wait", "final_sync_timeout", "contribution_clip")
         positive(self, "metrics_expiration")
+        require(
+            self.sync_mode in SYNC_MODES,
+            f"sync_mode must be one of {', '.join(SYNC_MODES)}, got {self.sync_mode!r}; e.g. --sync_mode local",
+        )
+        positive(self, "outer_learning_rate")
+        require(
+            isinstance(self.outer_momentum, (int, float)) and 0.0 <= self.outer_momentum < 1.0,
+            f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}",
+        )
+        if self.sync_mode == "local":
+            # the outer step is cheap and rare: nothing to hide behind the next steps
+            require(
+                not self.delay_optimizer_step,
+                "--sync_mode local takes no --delay_optimizer_step / --delay_grad_averaging (its rare outer step "
+                "has nothing to overlap); remove them",
+            )
 
 
 @dataclass

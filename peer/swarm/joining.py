@@ -16,10 +16,11 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from peer.swarm import events
-from peer.swarm.config import CollaborationArguments
+from peer.swarm.config import SYNC_MODES, CollaborationArguments
+from peer.swarm.errors import NetworkSetupError
 from peer.swarm.hivemind_seam import LeanHiveOptimizer, read_consensus_epoch
-from peer.swarm.keys import progress_key
-from peer.swarm.records import read_progress, read_state_sharing
+from peer.swarm.keys import gradient_prefix_of_mode, progress_key
+from peer.swarm.records import read_averager_declarations, read_progress, read_state_sharing
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,27 @@ def count_other_state_sharing_peers(dht: hivemind.DHT, run_id: str) -> int:
     """Other peers that currently offer their state (trainers not in client mode, auxiliary peers)."""
     own_id = dht.peer_id.to_bytes()
     return sum(1 for peer_id in read_state_sharing(dht, run_id) if peer_id != own_id)
+
+
+def check_sync_mode(dht: hivemind.DHT, run_id: str, sync_mode: str) -> None:
+    """Before this peer builds its averagers: stop with an error when the run's peers declare averagers of the
+    other ``--sync_mode`` only (a peer of another mode would average other quantities and diverge). Declarations
+    of both modes (a refused peer's stay up to 30 s) are only logged. Client-mode peers declare nothing: they are
+    checked against the others."""
+    own_id = dht.peer_id.to_bytes()
+    declared = {}
+    for mode in SYNC_MODES:
+        peers = read_averager_declarations(dht, gradient_prefix_of_mode(run_id, mode))
+        declared[mode] = [peer for peer in peers if peer != own_id]
+    others = [mode for mode in SYNC_MODES if mode != sync_mode and declared[mode]]
+    if others and not declared[sync_mode]:
+        raise NetworkSetupError(
+            f"the peers of run {run_id!r} train with --sync_mode {others[0]}, this peer with --sync_mode "
+            f"{sync_mode}: every peer of a run must use the same mode; restart with --sync_mode {others[0]} (or "
+            f"another --run_id)"
+        )
+    if others:
+        logger.warning("Peers of run %r declared averagers of both sync modes; this peer uses %s", run_id, sync_mode)
 
 
 def wait_for_swarm(

@@ -6,7 +6,10 @@
   declarations (subkey: peer ID bytes, value: the priority downloaders sort by, None while not sharing);
 - ``<run_id>_grad_averager``: the gradient averager's prefix (hivemind.Optimizer derives it; matchmaking keys
   below it).
-- ``<prefix>.0b<bits>`` for both averagers' prefixes: hivemind's matchmaking keys (subkey: peer ID bytes, value:
+- ``<run_id>_outer_averager``: the pseudo-gradient averager's prefix in ``--sync_mode local`` (in place of the
+  gradient averager's: peers of the two modes never meet in one all-reduce, and a joiner of the other mode sees
+  their state-sharing declarations under ``.all_averagers`` and stops with an error).
+- ``<prefix>.0b<bits>`` for all averagers' prefixes: hivemind's matchmaking keys (subkey: peer ID bytes, value:
   whether the peer is looking for a group); LeanHive never sets group bits, so ``<prefix>.0b`` is the one in use.
 """
 
@@ -33,8 +36,17 @@ def grad_averager_prefix(run_id: str) -> str:
     return f"{run_id}_grad_averager"
 
 
-def averager_prefixes(run_id: str) -> tuple[str, str]:
-    return state_averager_prefix(run_id), grad_averager_prefix(run_id)
+def outer_averager_prefix(run_id: str) -> str:
+    return f"{run_id}_outer_averager"
+
+
+def gradient_prefix_of_mode(run_id: str, sync_mode: str) -> str:
+    """The prefix of the averager that all-reduces what peers of ``sync_mode`` send every round."""
+    return outer_averager_prefix(run_id) if sync_mode == "local" else grad_averager_prefix(run_id)
+
+
+def averager_prefixes(run_id: str) -> tuple[str, str, str]:
+    return state_averager_prefix(run_id), grad_averager_prefix(run_id), outer_averager_prefix(run_id)
 
 
 def matchmaking_keys(prefix: str, max_bits: int = MAX_GROUP_BITS) -> list[str]:

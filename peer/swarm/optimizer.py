@@ -22,7 +22,13 @@ from hivemind.compression import (
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
-from peer.swarm.hivemind_seam import AveragingPolicy, LeanHiveGradientAverager, LeanHiveOptimizer, authorized_peer_ids
+from peer.swarm.hivemind_seam import (
+    AveragingPolicy,
+    LeanHiveGradientAverager,
+    LeanHiveOptimizer,
+    PseudoGradientAverager,
+    authorized_peer_ids,
+)
 from peer.swarm.lamb import CPULamb8Bit
 
 logger = logging.getLogger(__name__)
@@ -83,6 +89,28 @@ def make_lamb(param_groups: List[dict], args: OptimizerArguments) -> CPULamb8Bit
     )
 
 
+def make_outer_sgd(params, args: CollaborationArguments) -> torch.optim.SGD:
+    """The outer optimizer of --sync_mode local: Nesterov SGD on the shared parameters (DiLoCo)."""
+    groups = list(params)
+    if groups and isinstance(groups[0], dict):
+        # hivemind hands over parameter_groups(), whose groups carry the inner LAMB's weight_decay; SGD would apply
+        # it to the shared parameters on top of the averaged pseudo-gradient (decay belongs to the inner steps)
+        groups = [dict(params=group["params"]) for group in groups]
+    momentum = args.outer_momentum
+    return torch.optim.SGD(
+        groups, lr=args.outer_learning_rate, momentum=momentum, nesterov=momentum > 0, weight_decay=0.0
+    )
+
+
+def set_inner_learning_rate(inner: torch.optim.Optimizer, epoch: int, args: OptimizerArguments) -> float:
+    """--sync_mode local: the inner LAMB follows the schedule of the global epoch (= round), as hivemind's
+    local-updates mode does, so a peer that joins mid-run takes the swarm's rate without any state of its own."""
+    lr = learning_rate_at(epoch, args)
+    for group in inner.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 # --------------------------------------------------------------------------------------- compression
 
 
@@ -100,6 +128,11 @@ def make_compression(args: CollaborationArguments) -> CompressionBase:
 # ------------------------------------------------------------------------------------------ factory
 
 
+def make_inner_optimizer(model: torch.nn.Module, optim: OptimizerArguments) -> CPULamb8Bit:
+    """--sync_mode local: this peer's own 8-bit LAMB over the model's parameters (never shared)."""
+    return make_lamb(parameter_groups(model, optim.weight_decay), optim)
+
+
 def build_optimizer(
     *,
     model: torch.nn.Module,
@@ -113,18 +146,28 @@ def build_optimizer(
     reuse_grad_buffers: bool = False,
     auxiliary: bool = False,
     grad_averager_class: Type[LeanHiveGradientAverager] = LeanHiveGradientAverager,
+    pseudo_grad_averager_class: Type[PseudoGradientAverager] = PseudoGradientAverager,
 ) -> LeanHiveOptimizer:
     """The collaborative optimizer: 8-bit LAMB offloaded to the CPU, averaged across the swarm.
 
     Auxiliary peers (aux_monitor) pass ``auxiliary=True`` and ``batch_size_per_step=None``: they build the
     same parameter groups and optimizer state (so states can be exchanged) but never accumulate gradients.
+
+    ``--sync_mode local``: the optimizer built here is the outer one (Nesterov SGD over the shared parameters,
+    whose state joiners download); the trainer steps its own inner 8-bit LAMB (``make_inner_optimizer``).
     """
+    local = collab.sync_mode == "local"
     compression = make_compression(collab)
     allreduce_timeout = collab.allreduce_timeout or collab.averaging_timeout
     policy = AveragingPolicy(authorized_peers=authorized_peer_ids(dht), contribution_clip=collab.contribution_clip)
     # averager_opts reach only the state averager; the gradient averager gets the same through its factory
     averager_opts = dict(request_timeout=collab.request_timeout)
-    grad_averager_factory = partial(grad_averager_class, policy=policy, **averager_opts)
+    if local:  # the averager of pseudo-gradients; the wrapped optimizer is the outer one (trainers own the inner)
+        grad_averager_factory = partial(pseudo_grad_averager_class, policy=policy, run_id=run_id, **averager_opts)
+        optimizer, scheduler = partial(make_outer_sgd, args=collab), None
+    else:
+        grad_averager_factory = partial(grad_averager_class, policy=policy, **averager_opts)
+        optimizer, scheduler = partial(make_lamb, args=optim), partial(make_scheduler, args=optim)
     return LeanHiveOptimizer(
         policy=policy,
         dht=dht,
@@ -132,17 +175,20 @@ def build_optimizer(
         target_batch_size=collab.target_batch_size,
         batch_size_per_step=batch_size_per_step,
         params=parameter_groups(model, optim.weight_decay),
-        optimizer=partial(make_lamb, args=optim),
-        scheduler=partial(make_scheduler, args=optim),
+        optimizer=optimizer,
+        scheduler=scheduler,
         matchmaking_time=collab.matchmaking_time,
         averaging_timeout=collab.averaging_timeout,
         allreduce_timeout=allreduce_timeout,
         load_state_timeout=collab.load_state_timeout,
         offload_optimizer=True,
-        reuse_grad_buffers=reuse_grad_buffers,
+        reuse_grad_buffers=reuse_grad_buffers and not local,
         delay_optimizer_step=collab.delay_optimizer_step,
         delay_grad_averaging=collab.delay_grad_averaging,
         average_state_every=collab.average_state_every,
+        # local mode: a background state averaging round would copy the shared parameters over the model's when
+        # it finishes, wiping the local steps taken meanwhile; it runs at the round's end instead
+        delay_state_averaging=not local,
         client_mode=client_mode,
         auxiliary=auxiliary,
         grad_compression=compression,

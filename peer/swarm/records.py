@@ -169,6 +169,11 @@ def read_progress(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = Non
     return records
 
 
+def read_averager_declarations(dht: hivemind.DHT, prefix: str, timeout: Optional[float] = None) -> List[bytes]:
+    """Peer IDs (bytes) that declared an averager under ``prefix`` (sharing its state or not, e.g. priority None)."""
+    return [peer_id for peer_id in _latest(dht, f"{prefix}.all_averagers", timeout) if isinstance(peer_id, bytes)]
+
+
 def read_state_sharing(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = None) -> Dict[bytes, float]:
     """peer ID bytes -> state-sharing priority of every peer that currently offers its state."""
     return {

@@ -17,13 +17,14 @@ import sys
 import torch
 
 import peer.cli
-from peer.swarm.hivemind_seam import LeanHiveGradientAverager
+from peer.swarm.hivemind_seam import LeanHiveGradientAverager, PseudoGradientAverager
 from peer.trainer import TrainerPeer
 from tests.support.faults import injection
 
 
-class FaultyGradientAverager(LeanHiveGradientAverager):
-    """What this peer sends for averaging may be scaled or non-finite; it may SIGKILL itself mid all-reduce."""
+class _FaultHooks:
+    """What this peer sends for averaging may be scaled or non-finite; it may SIGKILL itself mid all-reduce (the
+    first base of both faulty averagers below)."""
 
     @torch.no_grad()
     def load_accumulators_into_averager_(self):
@@ -50,11 +51,21 @@ class FaultyGradientAverager(LeanHiveGradientAverager):
 # hivemind names an averager's RPC handlers after its class ("<prefix>::<class name>.rpc_join_group", ...): with
 # the production name a faulty peer averages with peers started from run_trainer.py, as it did when the fault
 # hooks lived in the production class.
+class FaultyGradientAverager(_FaultHooks, LeanHiveGradientAverager):
+    pass
+
+
+class FaultyPseudoGradientAverager(_FaultHooks, PseudoGradientAverager):
+    """--sync_mode local: the pseudo-gradients sent may be corrupted the same way."""
+
+
 FaultyGradientAverager.__name__ = LeanHiveGradientAverager.__name__
+FaultyPseudoGradientAverager.__name__ = PseudoGradientAverager.__name__
 
 
 class FaultyTrainerPeer(TrainerPeer):
     grad_averager_class = FaultyGradientAverager
+    pseudo_grad_averager_class = FaultyPseudoGradientAverager
 
     def _accumulate_gradients(self) -> float:
         loss_sum = super()._accumulate_gradients()

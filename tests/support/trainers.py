@@ -115,6 +115,32 @@ def final_epoch(folder: Path) -> int:
     return torch.load(Path(folder) / "final_params.pt", map_location="cpu", weights_only=True)["epoch"]
 
 
+def params_dir(folder: Path, name: str) -> Path:
+    """Where the trainer called ``name`` dumps its parameters after each global epoch (``param_dump_env``)."""
+    return Path(folder) / name / "params"
+
+
+def param_dump_env(folder: Path, name: str) -> Dict[str, str]:
+    """``start_trainer``'s env for a trainer that dumps its parameters after each global epoch into
+    ``params_dir(folder, name)`` (the test entry point does it)."""
+    return {PARAMS_DIR_ENV: str(params_dir(folder, name))}
+
+
+def round_param_differences(folder: Path, names: Sequence[str]) -> Dict[int, float]:
+    """For every global epoch that all these trainers dumped (``param_dump_env``): the largest absolute difference
+    of any parameter between the first trainer and each other one after that epoch."""
+    dumps = [{int(p.stem.split("_")[1]): p for p in params_dir(folder, name).glob("epoch_*.pt")} for name in names]
+    common = sorted(set(dumps[0]).intersection(*dumps[1:]))
+    differences = {}
+    for epoch in common:
+        reference, *others = [torch.load(d[epoch], map_location="cpu", weights_only=True) for d in dumps]
+        differences[epoch] = max(
+            (float((tensor - other[name]).abs().max()) for other in others for name, tensor in reference.items()),
+            default=0.0,
+        )
+    return differences
+
+
 def max_param_difference(folders: List[Path]) -> float:
     """Largest absolute difference of any parameter between the first peer and each other peer."""
     reference = final_params(folders[0])

@@ -56,9 +56,18 @@ Gradient averager (``LeanHiveGradientAverager(GradientAverager)``)
 - ``_on_averaged_tensor``: an extension point (does nothing) called for each averaged tensor received; the tests'
   fault entry point overrides it.
 
+Pseudo-gradient averager (``PseudoGradientAverager(LeanHiveGradientAverager)``, ``--sync_mode local``)
+- ``load_accumulators_into_averager_``: writes ``shared parameters - local parameters`` (the pseudo-gradient of the
+  round) into the averaged tensors instead of the accumulated gradients; built with ``reuse_grad_buffers=True`` so
+  hivemind keeps no gradient accumulators (``accumulate_grads_`` then only counts samples). Its prefix is its own
+  (``<run_id>_outer_averager``). hivemind.Optimizer links its averaged tensors to the outer optimizer's ``.grad``
+  (offloaded optimizer), so hivemind's epoch logic runs the outer step unchanged.
+
 Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
 - ``_make_state_averager`` (private factory): builds ``LeanHiveStateAverager`` with our policy.
 - ``_make_progress_tracker`` (private factory): builds ``LeanHiveProgressTracker``.
+- ``_load_local_gradients_into_optimizer`` (private): hivemind's fallback when an all-reduce failed; in
+  ``--sync_mode local`` it also flags ``missed_round`` so the trainer downloads the swarm's shared state.
 - ``load_state_from_peers``: hivemind's with a bounded number of attempts (hivemind retried ``while True``), the
   epoch bound (``download_epoch_bound``) passed to the state averager, a refutation of epoch claims the downloaded
   state does not reach (``LeanHiveProgressTracker.refute_claims_above``), and without the gradient averager's
@@ -102,6 +111,7 @@ from peer.swarm.hivemind_seam.averaging import (
     LeanHiveGradientAverager,
     LeanHiveOptimizer,
     LeanHiveStateAverager,
+    PseudoGradientAverager,
     download_epoch_bound,
     sync_offloaded_parameters,
 )
@@ -134,6 +144,7 @@ __all__ = [
     "LeanHiveOptimizer",
     "LeanHiveProgressTracker",
     "LeanHiveStateAverager",
+    "PseudoGradientAverager",
     "RecordSizeValidator",
     "SwarmKeyValidator",
     "authorized_peer_ids",
@@ -186,7 +197,7 @@ OVERRIDDEN_METHODS = [
     (TrainingStateAverager, "_load_local_tensors_into_averager_", "(self)"),
     (TrainingStateAverager, "__del__", "(self)"),
     (GradientAverager, "__del__", "(self)"),
-    # overridden by the tests' fault entry point (tests/support/fault_trainer.py), not by LeanHive itself
+    # overridden by PseudoGradientAverager, and by the tests' fault entry point (tests/support/fault_trainer.py)
     (GradientAverager, "load_accumulators_into_averager_", "(self)"),
     (TensorPartReducer, "reset_accumulators", "(self)"),
     (
@@ -217,6 +228,7 @@ OVERRIDDEN_METHODS = [
         "hivemind.optim.progress_tracker.GlobalTrainingProgress",
     ),
     (hivemind.Optimizer, "load_state_dict", "(self, state_dict: 'dict')"),
+    (hivemind.Optimizer, "_load_local_gradients_into_optimizer", "(self)"),
     (hivemind.Optimizer, "load_state_from_peers", "(self, **kwargs)"),
     (hivemind.Optimizer, "__del__", "(self)"),
 ]

@@ -29,7 +29,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
-from peer.swarm.keys import state_averager_prefix
+from peer.swarm.keys import outer_averager_prefix, state_averager_prefix
 from peer.swarm.robust import (
     DEFAULT_CLIP_FACTOR,
     bound_two_peer_update,
@@ -543,12 +543,58 @@ class LeanHiveGradientAverager(_PolicyAveraging, GradientAverager):
     _bound_two_peer_rounds = True
 
 
+class PseudoGradientAverager(LeanHiveGradientAverager):
+    """The all-reduce of ``--sync_mode local`` (DiLoCo): averages pseudo-gradients instead of accumulated gradients.
+
+    hivemind.Optimizer drives it exactly like a gradient averager: each local step only counts its samples (the
+    trainer has already stepped its own inner optimizer on the model's parameters); when the round begins, the
+    pseudo-gradient ``shared - local`` (the offloaded parameters the outer optimizer owns, i.e. the shared
+    parameters at the start of the round, minus the model's parameters after the local steps) is written into the
+    averaged tensors, all-reduced with the same policy as gradients (allowlist, robust aggregation, weight = the
+    samples of the round) and, through the buffers hivemind links to the outer optimizer's ``.grad``, stepped.
+    Its prefix is ``<run_id>_outer_averager``, so peers of the two modes never meet in one all-reduce."""
+
+    def __init__(self, parameters, *, run_id: str, prefix: Optional[str] = None, **kwargs):
+        del prefix  # hivemind's gradient prefix: this averager has its own
+        kwargs["reuse_grad_buffers"] = True  # nothing is accumulated: no second copy of the gradients
+        super().__init__(parameters, prefix=outer_averager_prefix(run_id), **kwargs)
+        self.shared_parameters: Optional[Tuple[torch.Tensor, ...]] = None  # set by LeanHiveOptimizer
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        assert self.shared_parameters is not None, "the optimizer links the shared parameters after construction"
+        with self.get_tensors() as averaged:
+            for shared, local, out in zip(self.shared_parameters, self.parameters, averaged):
+                torch.sub(shared, local.detach().to(shared.device, shared.dtype), out=out)
+
+
 class LeanHiveOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer with a state averager that can tell whether a state download succeeded."""
+    """hivemind.Optimizer with a state averager that can tell whether a state download succeeded (and, with a
+    ``PseudoGradientAverager``, the outer loop of ``--sync_mode local``: the wrapped optimizer is then the outer
+    optimizer of the shared parameters)."""
 
     def __init__(self, *args, policy: AveragingPolicy = AveragingPolicy(), **kwargs):
         self.policy = policy  # read by _make_state_averager, which hivemind.Optimizer.__init__ calls
         super().__init__(*args, **kwargs)
+        if isinstance(self.grad_averager, PseudoGradientAverager):
+            self.grad_averager.shared_parameters = tuple(
+                param for group in self.state_averager.optimizer.param_groups for param in group["params"]
+            )
+
+    @property
+    def local_updates(self) -> bool:
+        """True in ``--sync_mode local``: the trainer steps its inner optimizer, this one runs the outer loop."""
+        return isinstance(self.grad_averager, PseudoGradientAverager)
+
+    missed_round = False
+    """--sync_mode local: the last pseudo-gradient all-reduce failed while other peers were online, so the outer
+    step used this peer's pseudo-gradient alone and its shared parameters left the swarm's; the trainer re-syncs
+    (hivemind's fallback, fine for one step of gradients, would leave a whole round's divergence in place)."""
+
+    def _load_local_gradients_into_optimizer(self):
+        if self.local_updates and self.tracker.global_progress.num_peers > 1:
+            self.missed_round = True
+        super()._load_local_gradients_into_optimizer()
 
     def __del__(self):
         try:  # see _PolicyAveraging.__del__

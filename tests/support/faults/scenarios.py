@@ -13,6 +13,7 @@ import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -29,8 +30,16 @@ from tests.support.faults.swarm import (
     SwarmSettings,
     param_distance,
 )
-from tests.support.processes import wait_all
-from tests.support.trainers import epoch_done_events, epoch_losses
+from tests.support.processes import kill_all, wait_all
+from tests.support.trainers import (
+    epoch_done_events,
+    epoch_losses,
+    final_epoch,
+    max_param_difference,
+    param_dump_env,
+    round_param_differences,
+    start_trainer,
+)
 
 AUX_HOST = 0
 
@@ -237,7 +246,9 @@ def _stop_all(peers: Sequence[SwarmPeer], timeout: float = 60) -> List[Optional[
 # ------------------------------------------------------------------------------------------------ b
 
 
-def kill_during_allreduce(folder: Path, *, epochs_before: int = 2, epochs_after: int = 3) -> ScenarioResult:
+def kill_during_allreduce(
+    folder: Path, *, epochs_before: int = 2, epochs_after: int = 3, sync_mode: str = "sync"
+) -> ScenarioResult:
     """b. Once all three trainers trained ``epochs_before`` epochs together, one is SIGKILLed in the middle of its
     next gradient all-reduce; the others must finish the next epoch within averaging_timeout + one epoch.
 
@@ -247,7 +258,9 @@ def kill_during_allreduce(folder: Path, *, epochs_before: int = 2, epochs_after:
     from tests.support.faults.injection import DIE_IN_ALLREDUCE_ENV
 
     started = time.monotonic()
-    settings = SwarmSettings(run_id="killar")
+    # local mode: lossless, so that the survivors' shared parameters can be checked for equality round by round
+    exact = dict(compression="none") if sync_mode == "local" else {}
+    settings = SwarmSettings(run_id="killar", extra=_mode_flags(sync_mode), **exact)
     details: Dict[str, Any] = {"link": INTERNET.describe(), "averaging_timeout": settings.averaging_timeout}
     recover = None
     trigger = folder / "kill-now"
@@ -317,8 +330,16 @@ def kill_during_allreduce(folder: Path, *, epochs_before: int = 2, epochs_after:
         _check(details, "loss fell on the survivors", all(_loss_fell(s) for s in survivors))
         rollback = any(_went_back(s) for s in survivors)
         _check(details, "no survivor went back an epoch", not rollback)
+        if sync_mode == "local":
+            # recorded, not yet checked: the survivors' shared parameters should be equal (<= 1e-6) after every
+            # round since the kill, but a reducer that dies leaves each survivor its own pseudo-gradient in that
+            # shard (hivemind calls the round a success) and two-contributor rounds bound each peer's update
+            # differently (measured: up to 8e-3 after a kill)
+            rounds = round_param_differences(folder, [s.name for s in survivors])
+            after = [difference for epoch, difference in rounds.items() if epoch > killed_epoch]
+            details["max_param_difference_after_kill"] = max(after, default=None)
     return ScenarioResult(
-        "b. SIGKILL a trainer during all-reduce",
+        "b. SIGKILL a trainer during all-reduce" + _mode_label(sync_mode),
         survived=_all_checks(details),
         epochs_lost=0 if not rollback else 1,
         recover_seconds=recover,
@@ -332,7 +353,12 @@ def kill_during_allreduce(folder: Path, *, epochs_before: int = 2, epochs_after:
 
 
 def partition_and_heal(
-    folder: Path, *, partition_seconds: float = 30.0, match_within: int = 3, tolerance: float = 1e-4
+    folder: Path,
+    *,
+    partition_seconds: float = 30.0,
+    match_within: int = 3,
+    tolerance: float = 1e-4,
+    sync_mode: str = "sync",
 ) -> ScenarioResult:
     """c. One trainer is cut off for ``partition_seconds``, then the partition heals: within ``match_within``
     epochs it must re-join and hold the others' parameters (exact averaging: equal within ``tolerance``, or at
@@ -341,7 +367,7 @@ def partition_and_heal(
     # averaging round take most of that, so a re-joined peer would trail the swarm by one epoch (hivemind
     # tolerates a peer one epoch behind); the partition itself is what this scenario is about.
     started = time.monotonic()
-    settings = SwarmSettings(run_id="partition", compression="none")
+    settings = SwarmSettings(run_id="partition", compression="none", extra=_mode_flags(sync_mode))
     details: Dict[str, Any] = {"link": BROADBAND.describe(), "partition_seconds": partition_seconds}
     epochs_lost, recover = 0, None
     with NetemSwarm(folder, 4, settings, BROADBAND) as swarm:
@@ -401,7 +427,7 @@ def partition_and_heal(
         epochs_lost = 1 if rolled_back else 0
         _check(details, "loss fell", all(_loss_fell(t) for t in (t1, t2)))
     return ScenarioResult(
-        f"c. partition a trainer for {partition_seconds:g} s, heal",
+        f"c. partition a trainer for {partition_seconds:g} s, heal" + _mode_label(sync_mode),
         survived=_all_checks(details),
         epochs_lost=epochs_lost,
         recover_seconds=recover,
@@ -1139,6 +1165,81 @@ def aux_restart_and_trainer_replacement(folder: Path) -> List[ScenarioResult]:
     ]
 
 
+# ----------------------------------------------------------------------------------- --sync_mode local
+
+
+def _mode_flags(sync_mode: str) -> List[str]:
+    # local: rounds of 2 x 8 local steps of 32 samples per peer (longer than a sync epoch: that is the point)
+    return [] if sync_mode == "sync" else ["--sync_mode", sync_mode, "--average_state_every", "4"]
+
+
+def _mode_label(sync_mode: str) -> str:
+    return "" if sync_mode == "sync" else f" (--sync_mode {sync_mode})"
+
+
+def join_mid_round_local(folder: Path, *, epochs: int = 12) -> ScenarioResult:
+    """y. --sync_mode local on loopback: two trainers train, a third joins in the middle of a round. It must
+    download the shared parameters and the outer optimizer's state, train along, and all three must end every
+    round they finished together after the joiner's first with the same shared parameters (exact averaging: within
+    1e-6)."""
+    started = time.monotonic()
+    details: Dict[str, Any] = {}
+    flags = ["--max_epochs", str(epochs), "--sync_mode", "local", "--target_batch_size", "128", "--compression", "none"]
+    peers = []
+    joined_at = None
+    dumps = {name: param_dump_env(folder, name) for name in "abc"}  # parameters after each round
+    try:
+        first = start_trainer(folder, "a", "midround", extra=[*flags, "--min_peers", "2"], env=dumps["a"])
+        peers.append(first)
+        join = first.initial_peers(STARTUP)
+        second = start_trainer(folder, "b", "midround", initial_peers=join, extra=flags, env=dumps["b"])
+        peers.append(second)
+        second.events.wait("epoch_done", timeout=240, count=2)
+        late = start_trainer(folder, "c", "midround", initial_peers=join, extra=flags, env=dumps["c"])
+        peers.append(late)
+        event = late.events.wait(
+            "state_loaded", timeout=STARTUP, where=lambda e: e["source"] == "swarm" and e["reason"] == "join"
+        )
+        joined_at = int(event["epoch"])
+        codes = wait_all(peers, timeout=400)
+    except (TimeoutError, RuntimeError) as e:
+        details["error"] = str(e)[-400:]
+        codes = [peer.process.poll() for peer in peers]
+    finally:
+        kill_all(peers)
+    details["joined_at_epoch"] = joined_at
+    _check(details, "all trainers stopped cleanly at max_epochs", codes == [0, 0, 0])
+    _check(details, "the joiner loaded the swarm's state mid-run", joined_at is not None and joined_at >= 2)
+    if codes == [0, 0, 0]:
+        folders = [folder / name for name in "abc"]
+        details["final_epochs"] = [final_epoch(f) for f in folders]
+        details["max_param_difference"] = max_param_difference(folders)
+        _check(details, "all reached max_epochs", details["final_epochs"] == [epochs] * 3)
+        _check(details, "all hold the same shared parameters", details["max_param_difference"] <= 1e-6)
+        rounds = round_param_differences(folder, "abc")
+        details["rounds_all_three_finished"] = sorted(rounds)
+        details["param_difference_per_round"] = {epoch: float(f"{d:.3g}") for epoch, d in rounds.items()}
+        # the joiner's first round is recorded, not checked: a joiner that downloads the state while the others
+        # finish a round enters their next all-reduce one epoch behind, so its first dump (its epoch e, the swarm
+        # at e + 1) differs from theirs at e; hivemind then has it download the fresh state ("Peer is out of
+        # sync") and it is equal from the next round on (seen once: 1.1 at its first round, <= 1e-8 after)
+        later = [difference for epoch, difference in rounds.items() if epoch > min(rounds, default=0)]
+        _check(details, "all three finished rounds together", len(later) >= 2)
+        _check(details, "same shared parameters after every later round", max(later, default=1.0) <= 1e-6)
+        contributed = [e for e in epoch_losses(peers[2]) if joined_at is not None and e >= joined_at]
+        details["joiner_rounds"] = len(contributed)
+        _check(details, "the joiner trained along", len(contributed) >= 2)
+    return ScenarioResult(
+        "y. join mid-round (--sync_mode local)",
+        survived=_all_checks(details),
+        epochs_lost=0,
+        recover_seconds=None,
+        data_lost=False,
+        details=details,
+        seconds=time.monotonic() - started,
+    )
+
+
 # ------------------------------------------------------------------------------------------------ matrix
 
 
@@ -1168,4 +1269,8 @@ MATRIX = [
     Scenario("pq", hostile_records.hostile_records, fast=False, needs_netns=False),
     Scenario("u", slow_link.slow_link_state_download, fast=False, needs_netns=True),
     Scenario("v", broken_peer.dead_p2pd, fast=False, needs_netns=False),
+    # --sync_mode local (issue 13): b and c in that mode, and a join in the middle of a round
+    Scenario("w", partial(kill_during_allreduce, sync_mode="local"), fast=False, needs_netns=True),
+    Scenario("x", partial(partition_and_heal, sync_mode="local"), fast=False, needs_netns=True),
+    Scenario("y", join_mid_round_local, fast=False, needs_netns=False),
 ]

@@ -1,0 +1,55 @@
+"""--sync_mode local with real trainer peers (separate processes on 127.0.0.1, tiny preset): two peers take local
+steps, average pseudo-gradients every round and end every round with identical shared parameters; a peer of the
+other mode that tries to join stops with an error that says how to fix it, and the pair trains on."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import trainers
+from tests.support.processes import kill_all, wait_all
+from tests.support.trainers import epoch_losses, final_epoch, max_param_difference, start_trainer
+
+pytestmark = pytest.mark.slow
+
+EXACT = ["--compression", "none"]
+STARTUP = 120
+# about four local steps of 16 samples per peer per round with two peers
+LOCAL = ["--sync_mode", "local", "--target_batch_size", "128"]
+
+
+@pytest.fixture
+def swarm():
+    peers = []
+    yield peers
+    kill_all(peers)
+
+
+@pytest.mark.timeout(360)
+def test_two_local_mode_peers_agree_and_a_sync_peer_is_refused(tmp_path, swarm):
+    epochs = "12"
+    common = ["--max_epochs", epochs, *LOCAL, *EXACT]
+    dumps = {name: trainers.param_dump_env(tmp_path, name) for name in "ab"}  # parameters after each round
+    first = start_trainer(tmp_path, "a", "local_pair", extra=[*common, "--min_peers", "2"], env=dumps["a"])
+    swarm.append(first)
+    initial_peers = first.initial_peers(STARTUP)
+    second = start_trainer(tmp_path, "b", "local_pair", initial_peers=initial_peers, extra=common, env=dumps["b"])
+    swarm.append(second)
+    second.events.wait("joined", timeout=STARTUP)  # both have declared their averagers by now
+    wrong = start_trainer(tmp_path, "sync", "local_pair", initial_peers=initial_peers, extra=["--max_epochs", epochs])
+    swarm.append(wrong)
+
+    assert wait_all([wrong], timeout=240) != [0]
+    assert "every peer of a run must use the same mode; restart with --sync_mode local" in wrong.log()
+    assert wait_all([first, second], timeout=300) == [0, 0]
+    for peer in (first, second):
+        assert final_epoch(tmp_path / peer.name) == int(epochs)
+        losses = epoch_losses(peer)
+        early, late = losses[min(losses)], losses[max(losses)]
+        assert late < early - 0.3, f"{peer.name}: training loss did not fall ({early} -> {late})"
+    # both took part in most rounds (not one peer alone), and end every round with the same shared parameters
+    assert len(set(epoch_losses(first)) & set(epoch_losses(second))) >= int(epochs) // 2
+    assert max_param_difference([tmp_path / "a", tmp_path / "b"]) <= 1e-6
+    differences = trainers.round_param_differences(tmp_path, "ab")
+    assert len(differences) >= int(epochs) // 2, f"rounds both peers finished: {sorted(differences)}"
+    assert max(differences.values()) <= 1e-6, f"shared parameters differ after a round: {differences}"
