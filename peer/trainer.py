@@ -21,6 +21,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from peer import backup
+from peer.grad_scaling import BlockScalePolicy, PerBlockGradScaler
 from peer.model_setup import Placement, build_model, choose_placement
 from peer.swarm import events
 from peer.swarm.config import CollaborationArguments, OptimizerArguments, TrainingArguments
@@ -101,6 +102,7 @@ class TrainerPeer:
         self.model: Optional[torch.nn.Module] = None
         self.placement: Optional[Placement] = None
         self.grad_scaler = None
+        self.block_scaler: Optional[PerBlockGradScaler] = None
         self.public_key: Optional[bytes] = None
         self.samples_total = 0
         self.skipped_steps_total = 0
@@ -119,7 +121,11 @@ class TrainerPeer:
         self.dht, self.watchdog, self.public_key = swarm.dht, swarm.watchdog, swarm.public_key
 
         self.model = build_model(train, self.placement)
-        if self.placement.uses_grad_scaler:
+        if self.placement.uses_grad_scaler and train.per_block_grad_scaling:
+            # unscales every block itself, so hivemind gets unscaled gradients as with fp32
+            policy = BlockScalePolicy(growth_interval=train.grad_scale_growth_interval)
+            self.block_scaler = PerBlockGradScaler(self.model, policy)
+        elif self.placement.uses_grad_scaler:
             self.grad_scaler = hivemind.GradScaler()
         self.optimizer = build_optimizer(
             model=self.model,
@@ -206,6 +212,10 @@ class TrainerPeer:
         train = self.config.training
         self.local_step += 1
         loss_sum = self._accumulate_gradients()
+        if self.block_scaler is not None and math.isfinite(loss_sum):
+            self.block_scaler.unscale_()  # a block that overflowed has its gradients zeroed: only it skips
+        elif self.block_scaler is not None:
+            self.block_scaler.discard_step()  # a NaN/inf loss is not a gradient-scale problem
         finite = math.isfinite(loss_sum) and all_finite(p.grad for p in self.model.parameters() if p.grad is not None)
 
         if self.grad_scaler is not None:
@@ -244,7 +254,11 @@ class TrainerPeer:
             if not math.isfinite(loss_sum) and self.grad_scaler is None:
                 break  # no point in a backward pass: the step is skipped anyway
             scaled = loss / train.gradient_accumulation_steps
-            (self.grad_scaler.scale(scaled) if self.grad_scaler is not None else scaled).backward()
+            if self.grad_scaler is not None:
+                scaled = self.grad_scaler.scale(scaled)
+            elif self.block_scaler is not None:
+                scaled = self.block_scaler.scale(scaled)
+            scaled.backward()
         return loss_sum
 
     def _count_skipped(self, stats: EpochStats) -> None:
