@@ -66,23 +66,22 @@ class BranchGradScale:
         return multiply_grad(compute(divide_grad(hidden, self.scales, self.index)), self.scales, self.index)
 
 
-class _MultiplyGrad(torch.autograd.Function):
+class _IdentityForward(torch.autograd.Function):
+    """Identity in forward (a view, no copy); subclasses act on the gradient of one block."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, scales: BlockGradScales, index: int):
         ctx.scales, ctx.index = scales, index
         return x.view_as(x)
 
+
+class _MultiplyGrad(_IdentityForward):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.scales.factors[ctx.index], None, None
 
 
-class _DivideGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scales: BlockGradScales, index: int):
-        ctx.scales, ctx.index = scales, index
-        return x.view_as(x)
-
+class _DivideGrad(_IdentityForward):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         scales, index = ctx.scales, ctx.index

@@ -212,11 +212,12 @@ class TrainerPeer:
         train = self.config.training
         self.local_step += 1
         loss_sum = self._accumulate_gradients()
-        if self.block_scaler is not None and math.isfinite(loss_sum):
-            self.block_scaler.unscale_()  # a block that overflowed has its gradients zeroed: only it skips
-        elif self.block_scaler is not None:
-            self.block_scaler.discard_step()  # a NaN/inf loss is not a gradient-scale problem
-        finite = math.isfinite(loss_sum) and all_finite(p.grad for p in self.model.parameters() if p.grad is not None)
+        blocks_ok = self._unscale_blocks(loss_sum)
+        finite = (
+            blocks_ok
+            and math.isfinite(loss_sum)
+            and all_finite(p.grad for p in self.model.parameters() if p.grad is not None)
+        )
 
         if self.grad_scaler is not None:
             # fp16: the gradients accumulate in .grad; on overflow hivemind's GradScaler drops them and
@@ -260,6 +261,16 @@ class TrainerPeer:
                 scaled = self.block_scaler.scale(scaled)
             scaled.backward()
         return loss_sum
+
+    def _unscale_blocks(self, loss_sum: float) -> bool:
+        """Per-block gradient scaling: unscale each block's gradients, zeroing those of the blocks that overflowed
+        (only they skip the step); False when every block overflowed or the loss is NaN/inf (skip the step)."""
+        if self.block_scaler is None:
+            return True
+        if not math.isfinite(loss_sum):
+            self.block_scaler.discard_step()  # a NaN/inf loss is not a gradient-scale problem
+            return False
+        return len(self.block_scaler.unscale_().overflowed) < len(self.block_scaler.names)
 
     def _count_skipped(self, stats: EpochStats) -> None:
         stats.skipped_steps += 1
