@@ -3,7 +3,7 @@
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForPreTraining
 
 from model.config import LeanTransformerConfig
-from model.memory import apply_memory_options, use_plain_reference
+from model.memory import apply_memory_options, block_grad_scales, use_plain_reference
 from model.modeling import LeanAlbertForPreTraining, LeanGPTForCausalLM, LeanModel, LeanPreTrainedModel
 from model.presets import PRESETS_DIR, available_presets, load_config
 
@@ -19,6 +19,7 @@ __all__ = [
     "LeanGPTForCausalLM",
     "LeanAlbertForPreTraining",
     "apply_memory_options",
+    "block_grad_scales",
     "use_plain_reference",
     "load_config",
     "available_presets",

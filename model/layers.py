@@ -7,12 +7,14 @@ by ``model.linear.make_linear`` so PixelFly and shared-matrix + adapter layers p
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
 
 from model.config import LeanTransformerConfig
+from model.grad_scaling import BranchGradScale
 from model.linear import make_linear
 from model.ops.attention import AttentionSpec, CacheUpdate, attention_cached, attention_custom, attention_plain
 from model.ops.dropout import draw_seed
@@ -55,9 +57,20 @@ class _PreNormSublayer(nn.Module):
         self.custom = custom
         self.norm = _norm(config)
         self.sandwich_norm = _norm(config) if config.norm_scheme == "sandwich" else None
+        # per-block gradient scaling (model.grad_scaling), switched on by model.memory.apply_memory_options
+        self.grad_scale: Optional[BranchGradScale] = None
 
     def _compute_context(self, hidden: torch.Tensor) -> ComputeContext:
         return ComputeContext.current(hidden.device, self.norm.weight.dtype)
+
+    def _forward_with_spec(self, hidden: torch.Tensor, run) -> torch.Tensor:
+        """``run(x, spec)``; with per-block gradient scaling the branch runs without its residual add,
+        which is done here, outside the scaled branch (the residual stream's gradient stays unscaled)."""
+        spec = self.spec(hidden)
+        if self.grad_scale is None:
+            return run(hidden, spec)
+        branch = self.grad_scale.branch(hidden, lambda x: run(x, dataclasses.replace(spec, residual=False)))
+        return hidden + branch if self.residual else branch
 
 
 class LeanSelfAttention(_PreNormSublayer):
@@ -97,7 +110,7 @@ class LeanSelfAttention(_PreNormSublayer):
         rotary: Optional[RotaryTables] = None,
         key_padding_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        return self.run(hidden, self.spec(hidden), rotary, key_padding_mask)
+        return self._forward_with_spec(hidden, lambda x, spec: self.run(x, spec, rotary, key_padding_mask))
 
     def run(
         self,
@@ -153,7 +166,7 @@ class LeanFFN(_PreNormSublayer):
         key_padding_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         del rotary, key_padding_mask  # same signature as attention, so stacks can treat sub-layers alike
-        return self.run(hidden, self.spec(hidden))
+        return self._forward_with_spec(hidden, self.run)
 
     def spec(self, hidden: torch.Tensor) -> FFNSpec:
         """The non-tensor part of one call; draws the dropout seed (global RNG), as forward does."""

@@ -11,9 +11,10 @@ from typing import Optional
 
 import torch.nn as nn
 
+from model.grad_scaling import OUTSIDE, BlockGradScales, BranchGradScale
 from model.layers import LeanFFN, LeanSelfAttention
 from model.reversible import ReversibleChunks
-from model.stack import LayerStack
+from model.stack import CHUNKED_REVERSIBLE_SCALING_ERROR, LayerStack
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def apply_memory_options(
     loss_chunk_size: Optional[int] = None,
     reversible_chunk_tokens: Optional[int] = None,
     reversible_chunk_heads: Optional[int] = None,
+    per_block_grad_scaling: Optional[bool] = None,
 ) -> nn.Module:
     """Switch memory options on a built lean model (in place) and return it; None keeps the current value.
 
@@ -52,12 +54,17 @@ def apply_memory_options(
     reversible_chunk_tokens / reversible_chunk_heads: a reversible stack computes its FFN backward this
         many tokens and its attention backward this many heads at a time (0 = all at once; both 0 keep
         revlib's whole-sub-layer backward); ignored by a non-reversible stack.
+    per_block_grad_scaling: every attention/FFN branch gets its own gradient scale factor for fp16 training
+        (model.grad_scaling; all factors start at 1, the trainer's scaler sets them); works with plain,
+        checkpointed and revlib-reversible stacks, not with shared large matrices or a chunked reversible
+        backward. Training state, so not recorded in the config.
     The model's config is updated too, so save_pretrained records the options.
     """
     for name, value in (
         ("custom_ffn", custom_ffn),
         ("custom_attention", custom_attention),
         ("checkpoint_layers", checkpoint_layers),
+        ("per_block_grad_scaling", per_block_grad_scaling),
     ):
         _check_bool(name, value)
     for name, value, unit in (
@@ -86,6 +93,11 @@ def apply_memory_options(
             current.tokens if reversible_chunk_tokens is None else reversible_chunk_tokens,
             current.heads if reversible_chunk_heads is None else reversible_chunk_heads,
         )
+    if per_block_grad_scaling is not None:
+        _set_block_grad_scaling(model, stack, per_block_grad_scaling)
+    chunked = stack.reversible and (stack.reversible_chunks.tokens or stack.reversible_chunks.heads)
+    if stack.grad_scales is not None and chunked:
+        raise ValueError(CHUNKED_REVERSIBLE_SCALING_ERROR)
     if loss_chunk_size is not None:
         for module in model.modules():
             if hasattr(module, "loss_chunk_size"):
@@ -103,15 +115,45 @@ def apply_memory_options(
             setattr(config, name, value)
     logger.info(
         "memory options: custom_ffn=%s custom_attention=%s checkpoint_layers=%s loss_chunk_size=%s "
-        "reversible_chunk_tokens=%s reversible_chunk_heads=%s (None = unchanged)",
+        "reversible_chunk_tokens=%s reversible_chunk_heads=%s per_block_grad_scaling=%s (None = unchanged)",
         custom_ffn,
         custom_attention,
         checkpoint_layers,
         loss_chunk_size,
         reversible_chunk_tokens,
         reversible_chunk_heads,
+        per_block_grad_scaling,
     )
     return model
+
+
+def _set_block_grad_scaling(model: nn.Module, stack: LayerStack, enabled: bool) -> None:
+    """One block per distinct sub-layer module (ALBERT-style groups reuse theirs, so their uses share a scale)."""
+    branches = [sub for layer in stack.groups for sub in (layer.attention, layer.ffn)]
+    if not enabled:
+        stack.grad_scales = None
+        for sub in branches:
+            sub.grad_scale = None
+        return
+    config = getattr(model, "config", None)
+    if getattr(config, "share_large_matrices", False):
+        raise ValueError(
+            "per-block gradient scaling needs every block to own its parameters, but share_large_matrices=True "
+            "gives all layers the same projection matrices; use a config without shared matrices or turn "
+            "per_block_grad_scaling off"
+        )
+    names = [OUTSIDE] + [
+        f"groups.{group}.{kind}" for group in range(len(stack.groups)) for kind in ("attention", "ffn")
+    ]
+    scales = BlockGradScales(names, branches)
+    stack.grad_scales = scales
+    for index, sub in enumerate(branches, start=1):
+        sub.grad_scale = BranchGradScale(scales, index)
+
+
+def block_grad_scales(model: nn.Module) -> Optional[BlockGradScales]:
+    """The model's per-block gradient scales, or None when per_block_grad_scaling is off."""
+    return _find_stack(model).grad_scales
 
 
 def use_plain_reference(model: nn.Module) -> nn.Module:

@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 from revlib.core import ReversibleModule, replace_grad
 
 from model.config import LeanTransformerConfig
+from model.grad_scaling import BlockGradScales, divide_grad, multiply_grad
 from model.layers import LeanLayer
 from model.linear import make_shared_matrix
 from model.ops.rotary import RotaryTables
@@ -28,6 +29,13 @@ def _make_shared_matrices(config: LeanTransformerConfig) -> Dict[str, nn.Module]
         name: make_shared_matrix(fan_in, fan_out, block_size=config.block_size, lowrank_dim=config.lowrank_dim)
         for name, (fan_in, fan_out) in config.projection_shapes().items()
     }
+
+
+CHUNKED_REVERSIBLE_SCALING_ERROR = (
+    "per-block gradient scaling cannot be combined with the chunked reversible backward (its hand-written "
+    "backward bypasses the sub-layers' scaled branches): set reversible_chunk_tokens and reversible_chunk_heads "
+    "to 0 (revlib's backward, which supports it) or turn per_block_grad_scaling off"
+)
 
 
 class LayerStack(nn.Module):
@@ -49,6 +57,8 @@ class LayerStack(nn.Module):
         self.reversible_memory_savings = True
         # chunked reversible backward (model.reversible); all zero keeps revlib's whole-sub-layer backward
         self.reversible_chunks = ReversibleChunks(config.reversible_chunk_tokens, config.reversible_chunk_heads)
+        # per-block gradient scaling (model.grad_scaling); set by model.memory.apply_memory_options
+        self.grad_scales: Optional[BlockGradScales] = None
 
     def layer(self, index: int) -> LeanLayer:
         return self.groups[index // self.layers_per_group]
@@ -59,6 +69,15 @@ class LayerStack(nn.Module):
         rotary: Optional[RotaryTables] = None,
         key_padding_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        scales = self.grad_scales
+        if scales is None:
+            return self._forward_layers(hidden, rotary, key_padding_mask)
+        # block 0 (outside the stack) runs at its own factor: divided out of the gradient entering the stack
+        # from the head, multiplied back into the gradient leaving it for the embeddings
+        hidden = self._forward_layers(multiply_grad(hidden, scales, 0), rotary, key_padding_mask)
+        return divide_grad(hidden, scales, 0)
+
+    def _forward_layers(self, hidden, rotary, key_padding_mask):
         if self.reversible:
             return self._forward_reversible(hidden, rotary, key_padding_mask)
         for index in range(self.num_layers):
@@ -78,6 +97,8 @@ class LayerStack(nn.Module):
         savings = self.reversible_memory_savings and torch.is_grad_enabled()
         autocast = _AutocastState.current(hidden.device.type)
         if savings and (self.reversible_chunks.tokens or self.reversible_chunks.heads):
+            if self.grad_scales is not None:
+                raise ValueError(CHUNKED_REVERSIBLE_SCALING_ERROR)
             return reversible_stack(
                 self._sublayers(), hidden, rotary, key_padding_mask, self.reversible_chunks, autocast
             )

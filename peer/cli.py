@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Tuple, Type
 
 from model import load_config
 from peer.memory_plan import MemoryPlan, MemoryPlanArguments, apply_plan, plan_for_training
-from peer.model_setup import choose_placement
+from peer.model_setup import check_memory_options, choose_placement
 from peer.swarm import process_guard
 from peer.swarm.cli_args import DataclassArgumentParser
 from peer.swarm.config import RUN_PRESETS_DIR, CollaborationArguments, OptimizerArguments, TrainingArguments
@@ -60,6 +60,7 @@ def parse_and_plan(argv: Optional[Sequence[str]] = None) -> Tuple[TrainerConfig,
         model_config = load_config(training.model_config)
         if choose_placement(training).uses_grad_scaler and collaboration.sync_mode == "local":
             raise ValueError("--sync_mode local does not support fp16 yet: use --precision bf16 or fp32")
+        check_memory_options(training)
         check_tokenizer_fits(load_tokenizer(data), model_config.vocab_size)
         if memory.memory_budget is not None:
             plan = plan_for_training(training, data.max_sequence_length, memory)

@@ -280,11 +280,15 @@ class MemoryPlan:
         return summary + "\n" + "\n".join(lines)
 
 
-def candidates(config: LeanTransformerConfig, samples_per_step: int, precisions: List[str]) -> List[Candidate]:
+def candidates(
+    config: LeanTransformerConfig, samples_per_step: int, precisions: List[str], reversible_chunks: bool = True
+) -> List[Candidate]:
+    """reversible_chunks=False leaves out the chunked reversible backward (per-block gradient scaling refuses it)."""
     batches = [b for b in range(1, samples_per_step + 1) if samples_per_step % b == 0]
     loss_chunks = sorted({config.loss_chunk_size or 256, *LOSS_CHUNKS})
     if config.reversible:
-        layer_modes = [(False, tokens, heads) for tokens, heads in REVERSIBLE_CHUNKS]
+        chunk_modes = REVERSIBLE_CHUNKS if reversible_chunks else REVERSIBLE_CHUNKS[:1]
+        layer_modes = [(False, tokens, heads) for tokens, heads in chunk_modes]
     else:
         layer_modes = [(False, 0, 0), (True, 0, 0)]
     return [
@@ -322,11 +326,12 @@ def make_plan(
     device: torch.device,
     precisions: List[str],
     measure: Callable[[torch.nn.Module, torch.Tensor, Optional[torch.dtype]], int] = measure_peak_bytes,
+    reversible_chunks: bool = True,
 ) -> MemoryPlan:
     """Rank the candidates, calibrate with one measured step, keep the fastest that fits."""
     require(budget_bytes > 0, f"the memory budget must be positive, got {budget_bytes}")
     shape = ModelShape.from_config(config)
-    pool = candidates(config, samples_per_step, precisions)
+    pool = candidates(config, samples_per_step, precisions, reversible_chunks)
     ranked = sorted(pool, key=lambda c: c.speed_rank())
     # calibration: one sequence in the leading layer mode (what the plan most likely uses)
     probe = dataclasses.replace(ranked[0], per_device_batch_size=1, gradient_accumulation_steps=samples_per_step)
@@ -390,6 +395,7 @@ def plan_for_training(training: TrainingArguments, seq_len: int, args: MemoryPla
         samples_per_step=training.per_device_batch_size * training.gradient_accumulation_steps,
         device=placement.device,
         precisions=precisions_for(placement.device, training.precision),
+        reversible_chunks=not training.per_block_grad_scaling,
     )
 
 

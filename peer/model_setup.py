@@ -63,9 +63,17 @@ def choose_placement(args: TrainingArguments) -> Placement:
 def apply_memory_options(model: torch.nn.Module, args: TrainingArguments) -> None:
     """The one place where memory options are applied to a built model (model/ owns how)."""
     options = {name: getattr(args, name) for name in MEMORY_OPTION_FIELDS if getattr(args, name) is not None}
+    if args.per_block_grad_scaling:  # off is the model's default: only passed when asked for
+        options["per_block_grad_scaling"] = True
     if options:
         model_memory_options(model, **options)
         logger.info("Memory options: %s", ", ".join(f"{k}={v}" for k, v in options.items()))
+
+
+def check_memory_options(args: TrainingArguments) -> None:
+    """Apply the memory options to a parameter-less (meta) copy of the model, so a combination the model
+    refuses (e.g. per-block gradient scaling with shared matrices) is reported before joining."""
+    apply_memory_options(LeanGPTForCausalLM.build(load_config(args.model_config), device="meta"), args)
 
 
 def build_model(args: TrainingArguments, placement: Placement) -> LeanGPTForCausalLM:

@@ -21,6 +21,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from peer import backup
+from peer.grad_scaling import BlockScalePolicy, PerBlockGradScaler
 from peer.model_setup import Placement, build_model, choose_placement
 from peer.swarm import events
 from peer.swarm.config import CollaborationArguments, OptimizerArguments, TrainingArguments
@@ -104,6 +105,7 @@ class TrainerPeer:
         self.model: Optional[torch.nn.Module] = None
         self.placement: Optional[Placement] = None
         self.grad_scaler = None
+        self.block_scaler: Optional[PerBlockGradScaler] = None
         self.public_key: Optional[bytes] = None
         self.samples_total = 0
         self.skipped_steps_total = 0
@@ -128,7 +130,11 @@ class TrainerPeer:
         # min_peers starts when it sees that declaration; declared seconds before the tokenizer was ready, this peer
         # let the other end its first epochs alone
         self._build_data()
-        if self.placement.uses_grad_scaler:
+        if self.placement.uses_grad_scaler and train.per_block_grad_scaling:
+            # unscales every block itself, so hivemind gets unscaled gradients as with fp32
+            policy = BlockScalePolicy(growth_interval=train.grad_scale_growth_interval)
+            self.block_scaler = PerBlockGradScaler(self.model, policy)
+        elif self.placement.uses_grad_scaler:
             self.grad_scaler = hivemind.GradScaler()
         self.optimizer = build_optimizer(
             model=self.model,
@@ -217,7 +223,12 @@ class TrainerPeer:
         train = self.config.training
         self.local_step += 1
         loss_sum = self._accumulate_gradients()
-        finite = math.isfinite(loss_sum) and all_finite(p.grad for p in self.model.parameters() if p.grad is not None)
+        blocks_ok = self._unscale_blocks(loss_sum)
+        finite = (
+            blocks_ok
+            and math.isfinite(loss_sum)
+            and all_finite(p.grad for p in self.model.parameters() if p.grad is not None)
+        )
 
         if self.grad_scaler is not None:
             # fp16: the gradients accumulate in .grad; on overflow hivemind's GradScaler drops them and
@@ -267,8 +278,22 @@ class TrainerPeer:
             if not math.isfinite(loss_sum) and self.grad_scaler is None:
                 break  # no point in a backward pass: the step is skipped anyway
             scaled = loss / train.gradient_accumulation_steps
-            (self.grad_scaler.scale(scaled) if self.grad_scaler is not None else scaled).backward()
+            if self.grad_scaler is not None:
+                scaled = self.grad_scaler.scale(scaled)
+            elif self.block_scaler is not None:
+                scaled = self.block_scaler.scale(scaled)
+            scaled.backward()
         return loss_sum
+
+    def _unscale_blocks(self, loss_sum: float) -> bool:
+        """Per-block gradient scaling: unscale each block's gradients, zeroing those of the blocks that overflowed
+        (only they skip the step); False when every block overflowed or the loss is NaN/inf (skip the step)."""
+        if self.block_scaler is None:
+            return True
+        if not math.isfinite(loss_sum):
+            self.block_scaler.discard_step()  # a NaN/inf loss is not a gradient-scale problem
+            return False
+        return len(self.block_scaler.unscale_().overflowed) < len(self.block_scaler.names)
 
     def _count_skipped(self, stats: EpochStats) -> None:
         stats.skipped_steps += 1

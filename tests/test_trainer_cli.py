@@ -57,6 +57,7 @@ BAD_VALUES = [
     (["--learning_rate", "fast"], "invalid float value: 'fast'"),
     (["--min_learning_rate", "1", "--learning_rate", "0.1"], "must not exceed learning_rate"),
     (["--precision", "fp16", "--device", "cpu"], "needs a CUDA device"),
+    (["--per_block_grad_scaling"], "needs --precision fp16"),
     (["--model_config", "no_such_model"], "available presets"),
     (["--initial_peers", "/ip4/127.0.0.1/tcp/1"], "no /p2p/<peer id> part"),
     (["--delay_grad_averaging"], "requires delay_optimizer_step"),

@@ -200,8 +200,9 @@ def test_adaptive_compression_round_trips(numel, codec, bound):
 # -------------------------------------------------------------------------------------------- backups
 
 
-def _peer_on(run_id: str, initial_peers=()):
-    """A DHT and a real model + hivemind optimizer, for in-process tests with one peer or several."""
+def _peer_on(run_id: str, initial_peers=(), model: Optional[torch.nn.Module] = None):
+    """A DHT and a real model (a small default one) + hivemind optimizer, for in-process tests with one peer
+    or several."""
     import hivemind
 
     from peer.swarm.network import make_validators
@@ -214,7 +215,7 @@ def _peer_on(run_id: str, initial_peers=()):
         initial_peers=list(initial_peers),
         record_validators=make_validators(run_id, key)[0],
     )
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    model = model if model is not None else torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     opt = build_optimizer(
         model=model,
         dht=dht,
@@ -235,6 +236,49 @@ def solo_optimizer(tmp_path):
     dht, model, opt = _peer_on("units")
     try:
         yield model, opt
+    finally:
+        opt.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_trainer_steps_with_per_block_grad_scaling_in_fp16():
+    """The trainer's per-block fp16 path with a real hivemind optimizer; CPU fp16 autocast stands in for CUDA
+    (which --precision fp16 needs): blocks are unscaled before hivemind, no step is skipped, parameters move."""
+    from model import LeanGPTForCausalLM, apply_memory_options
+    from peer.grad_scaling import BlockScalePolicy, PerBlockGradScaler
+    from peer.model_setup import Placement
+    from peer.swarm.config import TrainingArguments
+    from peer.swarm.data import DataArguments
+    from peer.swarm.network import NetworkArguments
+    from peer.trainer import EpochStats, TrainerConfig, TrainerPeer
+    from tests.support.model import VOCAB, small_config
+
+    share_tensors_by_file_descriptor()
+    torch.manual_seed(0)
+    dht, model, opt = _peer_on(
+        "per_block", model=apply_memory_options(LeanGPTForCausalLM(small_config()), per_block_grad_scaling=True)
+    )
+    try:
+        training = TrainingArguments(
+            precision="fp16", per_block_grad_scaling=True, per_device_batch_size=2, gradient_accumulation_steps=2
+        )
+        collab = CollaborationArguments(target_batch_size=4, matchmaking_time=1.0)
+        peer = TrainerPeer(TrainerConfig(NetworkArguments(), collab, OptimizerArguments(), training, DataArguments()))
+        peer.model, peer.optimizer = model, opt
+        peer.placement = Placement(device=torch.device("cpu"), autocast_dtype=torch.float16)
+        # torch's policy (no headroom check), every step: each block's factor moves at every step
+        peer.block_scaler = PerBlockGradScaler(model, BlockScalePolicy(growth_interval=1, growth_headroom=0))
+        generator = torch.Generator().manual_seed(0)
+        peer._batches = iter(lambda: {"input_ids": torch.randint(0, VOCAB, (2, 16), generator=generator)}, None)
+        before = [p.detach().clone() for p in model.parameters()]
+        stats = EpochStats(epoch=opt.local_epoch)
+        for _ in range(3):
+            peer._train_step(stats)
+        assert stats.steps == 3 and stats.skipped_steps == 0
+        assert all(scale != 2.0**16 for scale in peer.block_scaler.scales)  # the trainer ran the scaler
+        assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert all(torch.isfinite(p).all() for p in model.parameters())
     finally:
         opt.shutdown()
         dht.shutdown()

@@ -211,6 +211,11 @@ class TrainingArguments:
     """Reversible models: FFN backward this many tokens at a time; 0 = all at once (None keeps the config's value)."""
     reversible_chunk_heads: Optional[int] = None
     """Reversible models: attention backward this many heads at a time; 0 = all at once (None keeps the config's)."""
+    per_block_grad_scaling: bool = False
+    """fp16 only: every attention/FFN block scales its own gradients (Ramesh et al., 2021) instead of one global
+    loss scale, so no block overflows or underflows while the others are fine (peer/grad_scaling.py)."""
+    grad_scale_growth_interval: int = 2000
+    """With per_block_grad_scaling: a block's scale doubles after this many local steps without an overflow in it."""
     init_seed: int = 0
     """Seed of the model initialization (the same on every peer, so epoch-0 parameters agree)."""
     backup_every_epochs: int = 5
@@ -243,6 +248,18 @@ class TrainingArguments:
                 value is None or (isinstance(value, int) and value >= 0),
                 f"{name} must be an integer >= 0 (0: no chunking), got {value!r}",
             )
+        integer_at_least(self, 1, "grad_scale_growth_interval")
+        require(
+            not self.per_block_grad_scaling or self.precision == "fp16",
+            f"per_block_grad_scaling replaces the fp16 loss scale, so it needs --precision fp16 (got "
+            f"{self.precision}); add --precision fp16 or drop --per_block_grad_scaling",
+        )
+        require(
+            not (self.per_block_grad_scaling and (self.reversible_chunk_tokens or self.reversible_chunk_heads)),
+            "per_block_grad_scaling cannot be combined with the chunked reversible backward: set "
+            "--reversible_chunk_tokens 0 --reversible_chunk_heads 0 (revlib's backward supports it) or drop "
+            "--per_block_grad_scaling",
+        )
         require(
             self.torch_threads is None or self.torch_threads >= 1,
             f"torch_threads must be a positive integer, got {self.torch_threads!r}",
