@@ -114,6 +114,27 @@ def _wait_epoch(trainer: SwarmPeer, epoch: int, timeout: float) -> None:
         raise RuntimeError(f"{trainer.name} exited at epoch {trainer.last_epoch()}:\n{trainer.tail()}")
 
 
+def _checked_result(
+    name: str,
+    details: Dict[str, Any],
+    started: float,
+    *,
+    epochs_lost: int = 0,
+    recover_seconds: Optional[float] = None,
+    data_lost: bool = False,
+) -> ScenarioResult:
+    """The result of a scenario whose verdict is its ``_check``s (``details["checks"]``)."""
+    return ScenarioResult(
+        name,
+        survived=_all_checks(details),
+        epochs_lost=epochs_lost,
+        recover_seconds=recover_seconds,
+        data_lost=data_lost,
+        details=details,
+        seconds=time.monotonic() - started,
+    )
+
+
 def _loss_fell(trainer: SwarmPeer, min_drop: float = 0.2) -> bool:
     """The loss fell by more than ``min_drop``: along the fitted trend from three epochs on (two end points alone
     wobble by about 0.05 each: a survivor of scenario b measured 0.195 between its end points, 0.213 on the trend)."""
@@ -195,15 +216,7 @@ def baseline_over_internet(folder: Path, *, epochs: int = 6) -> ScenarioResult:
         saved = swarm_checkpoints(folder / "checkpoints")
         details["checkpoints"] = saved
         _check(details, "the aux peer wrote checkpoints", len(saved) >= 1)
-    return ScenarioResult(
-        "a. 3 trainers + aux, 20 Mbit/s, 100 ms RTT",
-        survived=_all_checks(details),
-        epochs_lost=0,
-        recover_seconds=None,
-        data_lost=False,
-        details=details,
-        seconds=time.monotonic() - started,
-    )
+    return _checked_result("a. 3 trainers + aux, 20 Mbit/s, 100 ms RTT", details, started)
 
 
 def swarm_checkpoints(directory: Path) -> List[str]:
@@ -342,14 +355,12 @@ def kill_during_allreduce(
             rounds = round_param_differences(folder, [s.name for s in survivors])
             after = [difference for epoch, difference in rounds.items() if epoch > killed_epoch]
             details["max_param_difference_after_kill"] = max(after, default=None)
-    return ScenarioResult(
+    return _checked_result(
         "b. SIGKILL a trainer during all-reduce" + _mode_label(sync_mode),
-        survived=_all_checks(details),
+        details,
+        started,
         epochs_lost=0 if not rollback else 1,
         recover_seconds=recover,
-        data_lost=False,
-        details=details,
-        seconds=time.monotonic() - started,
     )
 
 
@@ -430,14 +441,12 @@ def partition_and_heal(
         _check(details, "the others kept training during the partition", epoch_at_heal >= epoch_at_cut + 2)
         epochs_lost = 1 if rolled_back else 0
         _check(details, "loss fell", all(_loss_fell(t) for t in (t1, t2)))
-    return ScenarioResult(
+    return _checked_result(
         f"c. partition a trainer for {partition_seconds:g} s, heal" + _mode_label(sync_mode),
-        survived=_all_checks(details),
+        details,
+        started,
         epochs_lost=epochs_lost,
         recover_seconds=recover,
-        data_lost=False,
-        details=details,
-        seconds=time.monotonic() - started,
     )
 
 
@@ -510,15 +519,7 @@ def poisoned_gradients(folder: Path, *, epochs: int = 10, scale: float = 1e6) ->
             "faulty peers took part (their contributions were dropped or bounded)",
             details["nonfinite_contributions_dropped"] > 0 and details["oversized_contributions_bounded"] > 0,
         )
-    return ScenarioResult(
-        f"f. NaN/inf gradients + {scale:g}x gradients",
-        survived=_all_checks(details),
-        epochs_lost=0,
-        recover_seconds=None,
-        data_lost=not finite,
-        details=details,
-        seconds=time.monotonic() - started,
-    )
+    return _checked_result(f"f. NaN/inf gradients + {scale:g}x gradients", details, started, data_lost=not finite)
 
 
 # ------------------------------------------------------------------------------------------------ g
@@ -627,15 +628,7 @@ def bad_dht_records(folder: Path) -> ScenarioResult:
             tracker.shutdown()
         for dht in dhts:
             dht.shutdown()
-    return ScenarioResult(
-        "g. malformed/unsigned/forged/oversized DHT records",
-        survived=_all_checks(details),
-        epochs_lost=0,
-        recover_seconds=None,
-        data_lost=False,
-        details=details,
-        seconds=time.monotonic() - started,
-    )
+    return _checked_result("g. malformed/unsigned/forged/oversized DHT records", details, started)
 
 
 def MSGPackSerializer_dumps(value) -> bytes:
@@ -766,15 +759,7 @@ def authorization(folder: Path) -> ScenarioResult:
         from tests.support.processes import kill_all
 
         kill_all(trainers)
-    return ScenarioResult(
-        "h. authorization: peer without credentials",
-        survived=_all_checks(details),
-        epochs_lost=0,
-        recover_seconds=None,
-        data_lost=False,
-        details=details,
-        seconds=time.monotonic() - started,
-    )
+    return _checked_result("h. authorization: peer without credentials", details, started)
 
 
 # ------------------------------------------------------------------------------------------------ i
@@ -973,14 +958,8 @@ def corrupt_files(folder: Path) -> ScenarioResult:
             "damaged newest checkpoint: logged, the previous checkpoint loaded, nothing deleted",
             _checkpoint_cases(folder, details, logs),
         )
-    return ScenarioResult(
-        "i. corrupt/truncated checkpoints and backups",
-        survived=_all_checks(details),
-        epochs_lost=0,
-        recover_seconds=None,
-        data_lost=not _all_checks(details),
-        details=details,
-        seconds=time.monotonic() - started,
+    return _checked_result(
+        "i. corrupt/truncated checkpoints and backups", details, started, data_lost=not _all_checks(details)
     )
 
 
@@ -1233,15 +1212,7 @@ def join_mid_round_local(folder: Path, *, epochs: int = 12) -> ScenarioResult:
         contributed = [e for e in epoch_losses(peers[2]) if joined_at is not None and e >= joined_at]
         details["joiner_rounds"] = len(contributed)
         _check(details, "the joiner trained along", len(contributed) >= 2)
-    return ScenarioResult(
-        "y. join mid-round (--sync_mode local)",
-        survived=_all_checks(details),
-        epochs_lost=0,
-        recover_seconds=None,
-        data_lost=False,
-        details=details,
-        seconds=time.monotonic() - started,
-    )
+    return _checked_result("y. join mid-round (--sync_mode local)", details, started)
 
 
 # ------------------------------------------------------------------------------------------------ matrix
