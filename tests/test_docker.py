@@ -373,6 +373,19 @@ def _compose_override(images: dict, folder: Path) -> tuple:
     return path, f"http://127.0.0.1:{ports['prometheus']}"
 
 
+def _compose_without_ports(folder: Path) -> Path:
+    """docker/compose.yaml as it is, less its ``ports`` mappings: on the host network a container's ports are the
+    host's already, and docker-compose refuses ``ports`` there ("host" network_mode is incompatible with
+    port_bindings); an override file can add to a list but not remove it. Relative paths stay relative to docker/
+    (the caller passes ``--project-directory``)."""
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    for service in compose["services"].values():
+        service.pop("ports", None)
+    path = folder / "compose.yaml"
+    path.write_text(yaml.safe_dump(compose))
+    return path
+
+
 def _prometheus_value(url: str, expr: str):
     from tests.support.aux import http_get
 
@@ -392,10 +405,11 @@ def test_compose_swarm_trains_and_prometheus_scrapes_the_aux_peer(engine, images
 
     resources, _ = engine
     override, prometheus = _compose_override(images, tmp_path)
-    files = [DOCKER / "compose.yaml", override]
+    files = [_compose_without_ports(tmp_path), override]
     project = resources.name("compose").replace("-", "")
     resources.compose_projects.append((project, files))
-    compose = ["docker-compose", "-p", project, *[a for f in files for a in ("-f", str(f))]]
+    compose = ["docker-compose", "-p", project, "--project-directory", str(DOCKER)]
+    compose += [a for f in files for a in ("-f", str(f))]
     # `up` waits for the aux peer to be healthy (depends_on) before it starts the trainers
     result = subprocess.run([*compose, "up", "-d", "--no-build"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
