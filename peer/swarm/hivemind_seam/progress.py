@@ -95,8 +95,9 @@ class LeanHiveProgressTracker(ProgressTracker):
     def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
         if not isinstance(metadata, dict) or not metadata:
             return super()._parse_swarm_progress_data(metadata)
-        records = self._plausible_records(metadata, get_dht_time())
-        progress = self._bounded_progress(records, get_dht_time())
+        now = get_dht_time()
+        records = self._plausible_records(metadata, now)
+        progress = self._bounded_progress(records, now)
         # in sync only against other peers' records: a peer that found nobody at its first fetch (still waiting
         # for min_peers, say) would otherwise vote its fresh epoch 0 and, in a pair, refuse the other's state
         others = any(key != self._local_public_key and not r.client_mode for key, r in records.items())
