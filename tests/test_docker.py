@@ -325,6 +325,10 @@ def test_containers_train_stop_cleanly_and_rejoin_with_the_same_identity(engine,
         for container in (aux, *trainers):
             print(f"\n===== {container} =====\n{d.logs(container)[-3000:]}")
         raise
+    finally:
+        # left running, this swarm would train on beside the compose swarm of the next test (two cores: its DHT
+        # requests then time out)
+        d.docker("stop", "--time", "60", aux, *trainers, check=False, timeout=240)
 
 
 def _compose_override(images: dict, folder: Path) -> tuple:
