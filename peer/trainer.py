@@ -386,6 +386,12 @@ class TrainerPeer:
         """--sync_mode local: this peer's pseudo-gradient missed the round's all-reduce; take the shared state of
         a peer that made it (else train on: the next state averaging round pulls this peer back)."""
         self.optimizer.missed_round = False
+        if self.watchdog is not None and self.watchdog.isolated:
+            # cut off from every peer: nobody can send a state now; the run loop pauses, then re-syncs on reconnect
+            logger.warning(
+                "Missed the all-reduce before round %d while cut off from every peer", self.optimizer.local_epoch
+            )
+            return
         logger.warning("Missed the all-reduce before round %d: loading the swarm's state", self.optimizer.local_epoch)
         if download_state(self.optimizer, self.config.collaboration.load_state_attempts):
             events.emit(
