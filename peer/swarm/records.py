@@ -153,10 +153,15 @@ def publish_metrics(
     dht: hivemind.DHT, run_id: str, public_key: bytes, metrics: LocalMetrics, expiration: float = METRICS_EXPIRATION
 ):
     """Store this peer's metrics without blocking the training loop; returns a future."""
+    return _store_own_entry(dht, metrics_key(run_id), public_key, metrics, expiration)
+
+
+def _store_own_entry(dht: hivemind.DHT, key: str, public_key: bytes, value: pydantic.BaseModel, expiration: float):
+    """This peer's signed entry under ``key`` (subkey: its public key), stored in the background; returns a future."""
     return dht.store(
-        key=metrics_key(run_id),
+        key=key,
         subkey=public_key,
-        value=metrics.dict(),
+        value=value.dict(),
         expiration_time=get_dht_time() + expiration,
         return_future=True,
     )
@@ -180,13 +185,7 @@ def fetch_metrics(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = Non
 
 def publish_fingerprints(dht: hivemind.DHT, run_id: str, public_key: bytes, record: RoundFingerprints):
     """Store this trainer's round fingerprints without blocking the training loop; returns a future."""
-    return dht.store(
-        key=fingerprints_key(run_id),
-        subkey=public_key,
-        value=record.dict(),
-        expiration_time=get_dht_time() + FINGERPRINT_EXPIRATION,
-        return_future=True,
-    )
+    return _store_own_entry(dht, fingerprints_key(run_id), public_key, record, FINGERPRINT_EXPIRATION)
 
 
 def fetch_fingerprints(dht: hivemind.DHT, run_id: str, epoch: int, timeout: float) -> Dict[bytes, RoundFingerprint]:
