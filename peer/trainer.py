@@ -24,6 +24,7 @@ from peer import backup
 from peer.grad_scaling import BlockScalePolicy, PerBlockGradScaler
 from peer.model_setup import Placement, build_model, choose_placement
 from peer.swarm import events
+from peer.swarm.agreement import RoundAgreement, tolerance_for
 from peer.swarm.config import CollaborationArguments, OptimizerArguments, TrainingArguments
 from peer.swarm.data import (
     DataArguments,
@@ -112,6 +113,8 @@ class TrainerPeer:
         self.local_step = 0
         self._backup_failed = False
         self._batches: Optional[Iterator[dict]] = None
+        self.agreement: Optional[RoundAgreement] = None  # --sync_mode local: the round-end check of shared params
+        self._state_loads_seen = 0  # optimizer.state_loads at the last round's end
 
     # ------------------------------------------------------------------------------------ start
 
@@ -152,6 +155,15 @@ class TrainerPeer:
         )
         if local:
             self.inner_optimizer = make_inner_optimizer(self.model, self.config.optimizer)
+            self.agreement = RoundAgreement(
+                self.dht,
+                net.run_id,
+                self.public_key,
+                self.optimizer.grad_averager.shared_parameters,
+                votes=not net.client_mode,  # a client cannot serve its state: it follows the vote
+                tolerance=tolerance_for(self.config.collaboration.compression),
+            )
+        self._state_loads_seen = self.optimizer.state_loads  # a state loaded while joining: the first round follows
         self._join()
 
     @property
@@ -211,6 +223,8 @@ class TrainerPeer:
                 break
             if self.watchdog is not None and self.watchdog.wait_while_isolated(self.stop_requested):
                 resync_with_swarm(self.optimizer)
+            if self.agreement is not None and self.agreement.due():
+                self._follow_agreement()
             epoch_before = self.optimizer.local_epoch
             self._train_step(stats)
             if self.optimizer.local_epoch != epoch_before:
@@ -347,12 +361,37 @@ class TrainerPeer:
         self._publish(stats)
         if self.optimizer.missed_round:
             self._resync_after_missed_round()
+        if self.agreement is not None:
+            if self.agreement.pending():  # the previous round's check, when this round was shorter than its wait
+                self._follow_agreement()
+            loads = self.optimizer.state_loads
+            self.agreement.round_ended(self.optimizer.local_epoch, state_replaced=loads != self._state_loads_seen)
+            self._state_loads_seen = loads
         self._after_update(new_epoch)
+
+    def _follow_agreement(self) -> None:
+        """--sync_mode local: read the last round's fingerprints; if this peer's shared parameters lost the vote,
+        download the state of a peer that won it (once; peer.swarm.agreement)."""
+        epoch, sources = self.agreement.check()
+        if not sources:
+            return
+        if self.optimizer.load_state_checked(only_from=frozenset(sources)):
+            events.emit(
+                "state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="disagreement", path=None
+            )
+        else:
+            logger.warning("Could not download the state that won the vote of epoch %d: training on", epoch)
 
     def _resync_after_missed_round(self) -> None:
         """--sync_mode local: this peer's pseudo-gradient missed the round's all-reduce; take the shared state of
         a peer that made it (else train on: the next state averaging round pulls this peer back)."""
         self.optimizer.missed_round = False
+        if self.watchdog is not None and self.watchdog.isolated:
+            # cut off from every peer: nobody can send a state now; the run loop pauses, then re-syncs on reconnect
+            logger.warning(
+                "Missed the all-reduce before round %d while cut off from every peer", self.optimizer.local_epoch
+            )
+            return
         logger.warning("Missed the all-reduce before round %d: loading the swarm's state", self.optimizer.local_epoch)
         if download_state(self.optimizer, self.config.collaboration.load_state_attempts):
             events.emit(

@@ -98,11 +98,6 @@ def test_w_local_mode_sigkill_during_pseudo_gradient_allreduce(tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    strict=False,
-    reason="fails (issue 13, measured once): in local mode the cut-off trainer spends the partition in the "
-    "missed-round state download instead of pausing, and matched the others 4 epochs after the heal, not 3",
-)
 def test_x_local_mode_partitioned_trainer_rejoins_and_matches(tmp_path):
     result = scenarios.partition_and_heal(tmp_path, partition_seconds=30, match_within=3, sync_mode="local")
     assert result.details.get("matched_at_epoch") is not None, _explain(result)

@@ -9,6 +9,9 @@
 - ``<run_id>_outer_averager``: the pseudo-gradient averager's prefix in ``--sync_mode local`` (in place of the
   gradient averager's: peers of the two modes never meet in one all-reduce, and a joiner of the other mode sees
   their state-sharing declarations under ``.all_averagers`` and stops with an error).
+- ``<run_id>_round_fingerprints``: ``--sync_mode local``: a sample of each trainer's shared parameters after its last
+  few rounds (peer.swarm.records.RoundFingerprints), one signed subkey per peer; peers compare them to find and
+  repair a disagreement (peer.swarm.agreement).
 - ``<prefix>.0b<bits>`` for all averagers' prefixes: hivemind's matchmaking keys (subkey: peer ID bytes, value:
   whether the peer is looking for a group); LeanHive never sets group bits, so ``<prefix>.0b`` is the one in use.
 """
@@ -22,6 +25,10 @@ def metrics_key(run_id: str) -> str:
 
 def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
+
+
+def fingerprints_key(run_id: str) -> str:
+    return f"{run_id}_round_fingerprints"
 
 
 def state_averager_prefix(run_id: str) -> str:

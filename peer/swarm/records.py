@@ -23,10 +23,22 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.swarm.hivemind_seam import KeyRule, RecordSizeValidator, SwarmKeyValidator
-from peer.swarm.keys import averager_prefixes, matchmaking_keys, metrics_key, progress_key, state_sharing_key
+from peer.swarm.keys import (
+    averager_prefixes,
+    fingerprints_key,
+    matchmaking_keys,
+    metrics_key,
+    progress_key,
+    state_sharing_key,
+)
 
 __all__ = [
+    "FINGERPRINT_SIZE",
     "LocalMetrics",
+    "RoundFingerprint",
+    "RoundFingerprints",
+    "fetch_fingerprints",
+    "publish_fingerprints",
     "MetricsSchema",
     "PeerProgress",
     "fetch_metrics",
@@ -47,6 +59,9 @@ METRICS_EXPIRATION = 600.0  # seconds a peer's record stays visible after its la
 # records live 60 s, state-sharing declarations 30 s, matchmaking declarations until the averaging deadline
 PROGRESS_MAX_TTL = 300.0
 DECLARATION_MAX_TTL = 600.0
+FINGERPRINT_SIZE = 128  # float32 values sampled from the shared parameters (peer.swarm.agreement)
+FINGERPRINT_HISTORY = 3  # rounds one record covers: a peer may read a round's records after the next round ended
+FINGERPRINT_EXPIRATION = 120.0
 
 
 class LocalMetrics(pydantic.BaseModel):
@@ -74,11 +89,37 @@ class MetricsSchema(pydantic.BaseModel):
     metrics: Dict[BytesWithPublicKey, LocalMetrics]
 
 
+class RoundFingerprint(pydantic.BaseModel):
+    """--sync_mode local: a sample of a trainer's shared parameters right after one round (peer.swarm.agreement)."""
+
+    epoch: pydantic.conint(ge=0, strict=True)  # the global epoch the round ended at
+    ended: pydantic.confloat(ge=0.0, le=1e12, strict=True)  # DHT time the round ended at
+    sample: pydantic.conbytes(min_length=4 * FINGERPRINT_SIZE, max_length=4 * FINGERPRINT_SIZE, strict=True)
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class RoundFingerprints(pydantic.BaseModel):
+    """One trainer's fingerprints of its last few rounds, and the peer ID its state can be downloaded from."""
+
+    peer_id: pydantic.conbytes(min_length=3, max_length=130, strict=True)
+    rounds: pydantic.conlist(RoundFingerprint, min_items=1, max_items=FINGERPRINT_HISTORY)
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class FingerprintsSchema(pydantic.BaseModel):
+    round_fingerprints: Dict[BytesWithPublicKey, RoundFingerprints]
+
+
 def swarm_key_rules(run_id: str) -> Dict[str, KeyRule]:
     """Every key the swarm reads, with the form its entries must have and how far ahead they may expire."""
     rules = {
         metrics_key(run_id): KeyRule(metrics_key(run_id), "signed", METRICS_EXPIRATION),
         progress_key(run_id): KeyRule(progress_key(run_id), "signed", PROGRESS_MAX_TTL),
+        fingerprints_key(run_id): KeyRule(fingerprints_key(run_id), "signed", FINGERPRINT_EXPIRATION),
     }
     for prefix in averager_prefixes(run_id):
         sharing = f"{prefix}.all_averagers"
@@ -101,6 +142,7 @@ def make_validators(
         RecordSizeValidator(),
         SwarmKeyValidator(swarm_key_rules(run_id)),
         SchemaValidator(MetricsSchema, prefix=run_id),
+        SchemaValidator(FingerprintsSchema, prefix=run_id),
         signature_validator,
         *extra,
     ]
@@ -111,10 +153,15 @@ def publish_metrics(
     dht: hivemind.DHT, run_id: str, public_key: bytes, metrics: LocalMetrics, expiration: float = METRICS_EXPIRATION
 ):
     """Store this peer's metrics without blocking the training loop; returns a future."""
+    return _store_own_entry(dht, metrics_key(run_id), public_key, metrics, expiration)
+
+
+def _store_own_entry(dht: hivemind.DHT, key: str, public_key: bytes, value: pydantic.BaseModel, expiration: float):
+    """This peer's signed entry under ``key`` (subkey: its public key), stored in the background; returns a future."""
     return dht.store(
-        key=metrics_key(run_id),
+        key=key,
         subkey=public_key,
-        value=metrics.dict(),
+        value=value.dict(),
         expiration_time=get_dht_time() + expiration,
         return_future=True,
     )
@@ -134,6 +181,29 @@ def fetch_metrics(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = Non
         except (pydantic.ValidationError, TypeError) as e:
             logger.warning("Ignoring a malformed metrics record: %s", e)
     return metrics
+
+
+def publish_fingerprints(dht: hivemind.DHT, run_id: str, public_key: bytes, record: RoundFingerprints):
+    """Store this trainer's round fingerprints without blocking the training loop; returns a future."""
+    return _store_own_entry(dht, fingerprints_key(run_id), public_key, record, FINGERPRINT_EXPIRATION)
+
+
+def fetch_fingerprints(dht: hivemind.DHT, run_id: str, epoch: int, timeout: float) -> Dict[bytes, RoundFingerprint]:
+    """peer ID -> that peer's fingerprint of ``epoch``, for every well-formed record. Every record is untrusted:
+    malformed ones are skipped, and a peer ID claimed by two records counts for neither (which one is real cannot be
+    told)."""
+    found: Dict[bytes, RoundFingerprint] = {}
+    claimed: Dict[bytes, int] = {}
+    for entry in _latest(dht, fingerprints_key(run_id), timeout).values():
+        try:
+            record = RoundFingerprints.parse_obj(entry.value)
+        except (pydantic.ValidationError, TypeError):
+            continue
+        claimed[record.peer_id] = claimed.get(record.peer_id, 0) + 1
+        rounds = [r for r in record.rounds if r.epoch == epoch]
+        if rounds:
+            found[record.peer_id] = rounds[-1]
+    return {peer_id: found_round for peer_id, found_round in found.items() if claimed[peer_id] == 1}
 
 
 # --------------------------------------------------------------------------- records hivemind writes

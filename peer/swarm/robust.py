@@ -146,16 +146,27 @@ def bounded_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], clip_f
         severe = float(norms.max()) > 10 * bound
         logger.log(
             logging.WARNING if severe else logging.INFO,
-            "Averaging: bounded %d of %d contributions (deviation up to %.3g, bound %.3g)",
+            "Averaging: bounded %d of %d contributions (deviation up to %.3g, bound %.3g; deviations %s, norms %s, "
+            "weights %s)",
             clipped,
             len(kept),
             float(norms.max()),
             bound,
+            _numbers(norms),
+            _numbers(stacked.flatten(1).norm(dim=1)),
+            _numbers(weight),
         )
     if total <= 0:
         return center
     factors = (scale * weight / total).view(-1, *[1] * (stacked.ndim - 1))
     return center + (deviations * factors).sum(0)
+
+
+def _numbers(values: torch.Tensor, at_most: int = 8) -> str:
+    """For the log: tells a hostile outlier from honest peers that differ in samples (weights) or from agreeing
+    parameters (a state averaging round: norms of whole parameters, deviations at float rounding)."""
+    text = ", ".join(f"{float(v):.3g}" for v in values[:at_most])
+    return text + (", ..." if len(values) > at_most else "")
 
 
 def keep_local_where_not_finite(update: torch.Tensor) -> int:

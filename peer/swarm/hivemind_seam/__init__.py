@@ -42,8 +42,9 @@ Averaging (both averagers of hivemind.Optimizer)
 State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
 - ``_load_state_from_peers`` (override of a private method, runs in the averager process; replaces hivemind's):
   tries the peers that declared their state in turn (at most ``MAX_STATE_CANDIDATES``, priority capped at the epoch
-  bound + 1), each within a time derived from the state's size (first chunk within load_state_timeout, then
-  ``STATE_CHUNK_TIMEOUT`` per chunk; hivemind's 3 s per-request timeout cut real downloads) and at most the expected
+  bound + 1; only the peers the host names, if it does: the round agreement of ``--sync_mode local``), each
+  within a time derived from the state's size (first chunk within load_state_timeout, then ``STATE_CHUNK_TIMEOUT`` per
+  chunk; hivemind's 3 s per-request timeout cut real downloads) and at most the expected
   size; hands over only a state that passed ``check_downloaded_state`` (structure, shapes, dtypes, finiteness,
   epoch bound, optimizer hyper-parameters and 8-bit state sizes), so nothing is half applied. It uses the private
   ``_matchmaking`` (the declarations' key), ``serializer``, ``next_chunk_timeout``; the host sends the epoch bound
@@ -60,7 +61,8 @@ Pseudo-gradient averager (``PseudoGradientAverager(LeanHiveGradientAverager)``, 
 - ``load_accumulators_into_averager_``: writes ``shared parameters - local parameters`` (the pseudo-gradient of the
   round) into the averaged tensors instead of the accumulated gradients; built with ``reuse_grad_buffers=True`` so
   hivemind keeps no gradient accumulators (``accumulate_grads_`` then only counts samples). Its prefix is its own
-  (``<run_id>_outer_averager``). hivemind.Optimizer links its averaged tensors to the outer optimizer's ``.grad``
+  (``<run_id>_outer_averager``), and it does not bound two-contributor rounds per receiver (that would give the two
+  peers different shared parameters). hivemind.Optimizer links its averaged tensors to the outer optimizer's ``.grad``
   (offloaded optimizer), so hivemind's epoch logic runs the outer step unchanged.
 
 Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)

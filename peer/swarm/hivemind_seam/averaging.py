@@ -341,11 +341,18 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
             return "it has NaN/inf values"
         return _check_optimizer_metadata(local_state, metadata.get("optimizer_metadata"))
 
-    async def _set_download_bound(self, max_epoch: Optional[int], progress_key: Optional[str], future: MPFuture):
-        self._max_download_epoch, self._progress_key = max_epoch, progress_key
+    async def _set_download_bound(
+        self,
+        max_epoch: Optional[int],
+        progress_key: Optional[str],
+        future: MPFuture,
+        only_from: Optional[FrozenSet[bytes]] = None,
+    ):
+        self._max_download_epoch, self._progress_key, self._only_from = max_epoch, progress_key, only_from
         future.set_result(None)
 
     _progress_key: Optional[str] = None
+    _only_from: Optional[FrozenSet[bytes]] = None  # peer IDs (bytes) the next download may come from; None: any
 
     def _raise_bound_to_fresh_consensus(self) -> None:
         """The swarm moved on during a long download: lift the bound to today's consensus (never lower it)."""
@@ -388,6 +395,8 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
             try:
                 peer_id = PeerID(raw_id)
             except Exception:
+                continue
+            if self._only_from is not None and peer_id.to_bytes() not in self._only_from:
                 continue
             if peer_id != self.peer_id:
                 ranked[peer_id] = (min(float(info.value), cap), random.random())  # random: the tie breaker
@@ -499,15 +508,27 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
         self.local_epoch = epoch
         self._params_epoch = None
 
-    def load_state_from_peers(self, *, max_epoch: Optional[int] = None, progress_key: Optional[str] = None, **kwargs):
-        """hivemind's download and apply, with ``max_epoch`` (the swarm's consensus allows no later state) and a
-        wait as long as the download may take (hivemind waited load_state_timeout and left the transfer running)."""
+    def load_state_from_peers(
+        self,
+        *,
+        max_epoch: Optional[int] = None,
+        progress_key: Optional[str] = None,
+        only_from: Optional[FrozenSet[bytes]] = None,
+        **kwargs,
+    ):
+        """hivemind's download and apply, with ``max_epoch`` (the swarm's consensus allows no later state), only from
+        the peers ``only_from`` if given, and a wait as long as the download may take (hivemind waited
+        load_state_timeout and left the transfer running)."""
         self.applied_epoch, self._loading = None, True
         first_chunk = kwargs.get("timeout") or self._first_chunk_timeout
         self._first_chunk_timeout = first_chunk  # the host's copy, for state_bytes' budget below
         bound = MPFuture()
         self._outer_pipe.send(
-            ("_set_download_bound", [], dict(max_epoch=max_epoch, progress_key=progress_key, future=bound))
+            (
+                "_set_download_bound",
+                [],
+                dict(max_epoch=max_epoch, progress_key=progress_key, future=bound, only_from=only_from),
+            )
         )
         bound.result(timeout=30)
         self._outer_pipe.send(("_set_first_chunk_timeout", [], dict(seconds=first_chunk)))
@@ -553,6 +574,13 @@ class PseudoGradientAverager(LeanHiveGradientAverager):
     averaged tensors, all-reduced with the same policy as gradients (allowlist, robust aggregation, weight = the
     samples of the round) and, through the buffers hivemind links to the outer optimizer's ``.grad``, stepped.
     Its prefix is ``<run_id>_outer_averager``, so peers of the two modes never meet in one all-reduce."""
+
+    _bound_two_peer_rounds = False
+    # The two-peer bound of gradients (``bound_two_peer_update``) bounds each receiver by its own contribution, so
+    # the two peers of a round apply different results: harmless for one gradient step, but here it leaves their
+    # shared parameters apart (the mode's invariant is that every peer holds the same ones; measured 3e-3 and 6e-3
+    # after honest two-peer rounds). With two contributors no rule can tell the faulty one; with three or more the
+    # reducer's bounded_mean applies, and it gives every receiver the same result.
 
     def __init__(self, parameters, *, run_id: str, prefix: Optional[str] = None, **kwargs):
         del prefix  # hivemind's gradient prefix: this averager has its own
@@ -633,16 +661,22 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             **kwargs,
         )
 
+    state_loads = 0
+    """How many times this peer's state was replaced (downloads applied, checkpoints or backups loaded): the
+    round agreement of --sync_mode local lets a peer whose state was replaced during a round follow, not vote."""
+
     def load_state_dict(self, state_dict: dict):
         super().load_state_dict(state_dict)
         self.state_averager.parameters_replaced(self.local_epoch)
+        self.state_loads += 1
 
     load_state_attempts = 2
     """Attempts of one ``load_state_from_peers`` call (each tries up to MAX_STATE_CANDIDATES peers); hivemind
     retried ``while True``, so a peer that always failed kept this one downloading forever."""
 
-    def load_state_from_peers(self, **kwargs):
-        """hivemind.Optimizer's, with a bounded number of attempts and the epoch bound of the swarm's consensus."""
+    def load_state_from_peers(self, only_from: Optional[FrozenSet[bytes]] = None, **kwargs):
+        """hivemind.Optimizer's, with a bounded number of attempts and the epoch bound of the swarm's consensus;
+        ``only_from``: download only from these peers (IDs as bytes)."""
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
@@ -658,6 +692,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                         timeout=self.load_state_timeout,
                         max_epoch=max_epoch,
                         progress_key=self.tracker.training_progress_key,
+                        only_from=only_from,
                         **kwargs,
                     )
                     break
@@ -665,6 +700,8 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                     raise
                 except Exception as e:
                     logger.warning("Failed to load the state from peers (attempt %d): %r", attempt, e)
+            if self.state_averager.state_arrived():
+                self.state_loads += 1
             if self.state_averager.state_arrived() and isinstance(self.tracker, LeanHiveProgressTracker):
                 # a peer that claimed an epoch no served state has is not followed again (one download, not one
                 # per step)
@@ -684,9 +721,10 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
 
-    def load_state_checked(self) -> bool:
-        """Download the swarm's state; True only if a peer answered and the state was applied."""
-        self.load_state_from_peers()
+    def load_state_checked(self, only_from: Optional[FrozenSet[bytes]] = None) -> bool:
+        """Download the swarm's state (only from ``only_from`` if given); True only if a peer answered and the state
+        was applied."""
+        self.load_state_from_peers(only_from=only_from)
         return self.state_averager.state_arrived()
 
 

@@ -1,0 +1,195 @@
+"""--sync_mode local: every trainer ends each round with the same shared parameters, also after a fault.
+
+hivemind can end an all-reduce "successfully" with peers holding different results: when a peer dies while it
+reduces a shard, each survivor keeps its own pseudo-gradient in that shard (a failed reducer). In synchronous mode
+that costs one gradient step; here the survivors' shared parameters (and outer momentum) stay apart until the next
+state averaging round. This module finds and repairs such a disagreement, with one rule every peer computes alike:
+
+1. Right after each round, every trainer that serves its state (not a client) publishes a fingerprint of its shared
+   parameters (a signed record, ``peer.swarm.records.RoundFingerprints``): ``FINGERPRINT_SIZE`` values at fixed,
+   evenly spaced positions of the concatenated shared parameters. A shard of an all-reduce is a contiguous span of
+   that vector, so a diverged shard shows in the sample. A peer whose state was replaced during the round (it
+   joined, re-synced, repaired) publishes none for it: its round started from another base; it only follows.
+2. ``SETTLE_SECONDS`` later (at its next local step, at the latest when its next round ends), every trainer reads
+   that round's fingerprints and votes (``choose_reference``): the fingerprint the most peers agree with (within
+   the tolerance) wins, ties go to the lowest peer ID. Only records of the same epoch that ended within
+   ``SAME_ROUND_SECONDS`` of this peer's count: the peers of one all-reduce end it together, while a peer one epoch
+   behind (hivemind lets a peer lag one epoch, e.g. a joiner that loaded the state just before the others ended a
+   round) labels a different round with the same epoch; it is not compared, it is caught up by its own check.
+3. A trainer whose own fingerprint is not within the tolerance of the winner's downloads the state of a peer that
+   agrees with the winner (only from those, and only if they declared their state), once for that round; if that
+   fails it trains on (the next state averaging round or check pulls it back).
+
+Every record is untrusted: the schema bounds its size, a peer ID claimed twice counts for neither, a sample with
+NaN/inf values or of the wrong size is ignored, and a vote can only make a peer download once per round from peers
+that declared their state (the download itself is checked as any other, see LeanHiveStateAverager).
+
+Tolerance: with ``--compression none`` peers that agree differ by float rounding only (a state averaging round
+adds ~1e-8), so 1e-6 (the issue's criterion). Lossy compression sends each peer its own rounding of the averaged
+update, so peers drift apart by the quantization error; only a larger disagreement is repaired there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import hivemind
+import torch
+from hivemind.utils import get_dht_time
+
+from peer.swarm.records import (
+    FINGERPRINT_HISTORY,
+    FINGERPRINT_SIZE,
+    RoundFingerprint,
+    RoundFingerprints,
+    fetch_fingerprints,
+    publish_fingerprints,
+)
+
+logger = logging.getLogger(__name__)
+
+SETTLE_SECONDS = 1.5
+"""Wait this long after a round before reading its fingerprints: the peers of one all-reduce end it within a
+fraction of a second of each other, and a store reaches the DHT within that on any link the swarm trains over.
+Short enough that a peer repairs in the middle of the next round (it then takes part in that round's all-reduce
+with the winners' state) rather than at its end."""
+SAME_ROUND_SECONDS = 1.0
+"""Records whose round ended further apart than this are from different rounds (see the module docstring)."""
+LOSSLESS_TOLERANCE = 1e-6
+LOSSY_TOLERANCE = 1e-2
+READ_TIMEOUT = 5.0
+
+
+def tolerance_for(compression: str) -> float:
+    """The largest difference of a fingerprint value two peers in agreement may show (see the module docstring)."""
+    return LOSSLESS_TOLERANCE if compression == "none" else LOSSY_TOLERANCE
+
+
+def sample_positions(total: int, size: int = FINGERPRINT_SIZE) -> torch.Tensor:
+    """``size`` evenly spaced positions in a vector of ``total`` values (the same on every peer of a run)."""
+    return ((torch.arange(size, dtype=torch.float64) + 0.5) * total / size).long().clamp_max(max(total - 1, 0))
+
+
+@torch.no_grad()
+def fingerprint(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``FINGERPRINT_SIZE`` float32 values sampled from the concatenation of ``tensors`` (in their order)."""
+    sizes = [t.numel() for t in tensors]
+    positions = sample_positions(sum(sizes))
+    values, start = [], 0
+    for tensor, size in zip(tensors, sizes):
+        inside = positions[(positions >= start) & (positions < start + size)] - start
+        if len(inside):
+            values.append(tensor.detach().reshape(-1)[inside.to(tensor.device)].to("cpu", torch.float32))
+        start += size
+    return torch.cat(values) if values else torch.zeros(FINGERPRINT_SIZE)
+
+
+def decode_sample(raw: bytes) -> Optional[torch.Tensor]:
+    """A fingerprint from its record; None if malformed (wrong size, NaN/inf)."""
+    if not isinstance(raw, bytes) or len(raw) != 4 * FINGERPRINT_SIZE:
+        return None
+    sample = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+    return sample if bool(torch.isfinite(sample).all()) else None
+
+
+def agree(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
+    return bool((a - b).abs().max() <= tolerance)
+
+
+def choose_reference(fingerprints: Mapping[bytes, torch.Tensor], tolerance: float) -> Optional[bytes]:
+    """The peer whose fingerprint wins the vote: the most peers within ``tolerance`` of it (itself included), ties
+    to the lowest peer ID. Depends only on the set of records, so every peer that read the same set picks the
+    same one. None when there are none."""
+    if not fingerprints:
+        return None
+    support = {
+        peer: sum(agree(sample, other, tolerance) for other in fingerprints.values())
+        for peer, sample in fingerprints.items()
+    }
+    return min(fingerprints, key=lambda peer: (-support[peer], peer))
+
+
+def sources_to_follow(
+    own: torch.Tensor, own_peer: Optional[bytes], fingerprints: Mapping[bytes, torch.Tensor], tolerance: float
+) -> List[bytes]:
+    """The peers to download the state from (those agreeing with the winner), or [] when this peer agrees with the
+    winner or nobody voted. ``own_peer``: this peer's ID if it voted (its record is counted), else None."""
+    votes = dict(fingerprints)
+    if own_peer is not None:
+        votes[own_peer] = own  # as published: the DHT may not return it yet
+    winner = choose_reference(votes, tolerance)
+    if winner is None or agree(own, votes[winner], tolerance):
+        return []
+    return sorted(
+        peer for peer, sample in votes.items() if peer != own_peer and agree(sample, votes[winner], tolerance)
+    )
+
+
+class RoundAgreement:
+    """One trainer's part of the protocol (module docstring); the trainer calls ``round_ended`` after each round
+    and ``check`` when ``due`` (or at the next round's end), and downloads from what ``check`` returns."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        public_key: bytes,
+        shared: Sequence[torch.Tensor],
+        *,
+        votes: bool,
+        tolerance: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.dht, self.run_id, self.public_key, self.shared = dht, run_id, public_key, tuple(shared)
+        self.votes, self.tolerance, self.clock = votes, tolerance, clock
+        self.peer_id = dht.peer_id.to_bytes()
+        self._history: deque = deque(maxlen=FINGERPRINT_HISTORY)
+        self._pending: Optional[Tuple[int, torch.Tensor, float, float]] = None  # epoch, own, ended (clock, DHT)
+
+    def round_ended(self, epoch: int, state_replaced: bool) -> None:
+        """The round that ended at ``epoch`` is over: fingerprint it, and publish unless this peer's state was
+        replaced during it (then it only follows the others' vote)."""
+        own, ended = fingerprint(self.shared), get_dht_time()
+        self._pending = (epoch, own, self.clock(), ended)
+        if not self.votes or state_replaced:
+            return
+        self._history.append(RoundFingerprint(epoch=epoch, ended=ended, sample=own.numpy().tobytes()))
+        record = RoundFingerprints(peer_id=self.peer_id, rounds=list(self._history))
+        publish_fingerprints(self.dht, self.run_id, self.public_key, record)
+
+    def due(self) -> bool:
+        return self._pending is not None and self.clock() - self._pending[2] >= SETTLE_SECONDS
+
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def check(self) -> Tuple[Optional[int], List[bytes]]:
+        """Read the pending round's fingerprints and vote: (that round's epoch, the peers to download from; [] when
+        this peer agrees with the winner)."""
+        if self._pending is None:
+            return None, []
+        epoch, own, _, ended = self._pending
+        self._pending = None
+        try:
+            raw = fetch_fingerprints(self.dht, self.run_id, epoch, timeout=READ_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - the DHT may be unreachable for a moment: skip this round's check
+            logger.info("Could not read the round fingerprints of epoch %d: %r", epoch, e)
+            return epoch, []
+        others: Dict[bytes, torch.Tensor] = {}
+        for peer, record in raw.items():
+            decoded = decode_sample(record.sample)
+            if decoded is not None and peer != self.peer_id and abs(record.ended - ended) <= SAME_ROUND_SECONDS:
+                others[peer] = decoded
+        sources = sources_to_follow(own, self.peer_id if self.votes else None, others, self.tolerance)
+        if sources:
+            logger.warning(
+                "Shared parameters after the round to epoch %d differ from the %d peer(s) that won the vote "
+                "(%d fingerprints read): downloading their state",
+                epoch,
+                len(sources),
+                len(others) + 1,
+            )
+        return epoch, sources

@@ -1,0 +1,127 @@
+"""--sync_mode local's round agreement (peer.swarm.agreement): the vote every peer computes alike, the fingerprint,
+and the fingerprint records as real DHT peers store them (untrusted input: bounded, validated)."""
+
+from __future__ import annotations
+
+import time
+
+import hivemind
+import pytest
+import torch
+from hivemind.dht.schema import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from peer.swarm import agreement
+from peer.swarm.agreement import choose_reference, decode_sample, fingerprint, sources_to_follow
+from peer.swarm.keys import fingerprints_key
+from peer.swarm.records import (
+    FINGERPRINT_SIZE,
+    RoundFingerprint,
+    RoundFingerprints,
+    fetch_fingerprints,
+    make_validators,
+    publish_fingerprints,
+)
+
+TOL = agreement.LOSSLESS_TOLERANCE
+
+
+def _sample(value: float) -> torch.Tensor:
+    return torch.full((FINGERPRINT_SIZE,), value)
+
+
+def test_the_most_supported_fingerprint_wins_and_ties_go_to_the_lowest_peer_id():
+    a, b, c = _sample(1.0), _sample(1.0) + 1e-8, _sample(2.0)  # a and b agree within float rounding
+    assert choose_reference({b"c": c, b"b": b, b"a": a}, TOL) in (b"a", b"b")
+    assert choose_reference({b"c": c, b"b": b, b"a": a}, TOL) == b"a"  # 2 votes each for a and b: the lower ID
+    assert choose_reference({b"z": a, b"y": c}, TOL) == b"y"  # one vote each: the lowest peer ID, whatever the values
+    assert choose_reference({}, TOL) is None
+    # the result depends on the set only, not on the order it was read in
+    votes = {bytes([i]): _sample(float(i % 3)) for i in range(9)}
+    shuffled = dict(reversed(list(votes.items())))
+    assert choose_reference(votes, TOL) == choose_reference(shuffled, TOL) == bytes([0])
+
+
+def test_only_the_peers_that_lost_the_vote_download_and_only_from_winners():
+    same, other = _sample(0.5), _sample(0.25)
+    # two survivors that differ: exactly one of them follows the other (both computing the same vote)
+    assert sources_to_follow(same, b"a", {b"b": other}, TOL) == []
+    assert sources_to_follow(other, b"b", {b"a": same}, TOL) == [b"a"]
+    # a majority wins over a lower peer ID; the loser may download from any peer that agrees with the winner
+    assert sources_to_follow(other, b"a", {b"b": same, b"c": same + 1e-9}, TOL) == [b"b", b"c"]
+    assert sources_to_follow(same, b"b", {b"a": other, b"c": same}, TOL) == []
+    # a peer that does not vote (a client, or its state was replaced during the round) only follows
+    assert sources_to_follow(other, None, {b"b": same}, TOL) == [b"b"]
+    assert sources_to_follow(same, None, {b"b": same}, TOL) == []
+    assert sources_to_follow(same, None, {}, TOL) == []
+    # lossy compression: a difference within its tolerance is no disagreement
+    assert sources_to_follow(same, b"b", {b"a": same + 1e-3}, agreement.tolerance_for("8bit")) == []
+
+
+def test_fingerprint_samples_every_tensor_at_fixed_positions():
+    tensors = [torch.arange(1000.0).reshape(10, 100), torch.arange(1000.0, 1050.0), torch.tensor([7.0])]
+    sample = fingerprint(tensors)
+    assert sample.shape == (FINGERPRINT_SIZE,) and sample.dtype == torch.float32
+    assert torch.equal(sample, fingerprint([t.clone() for t in tensors]))  # same values, same fingerprint
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    assert torch.equal(sample, flat[agreement.sample_positions(flat.numel())])
+    assert sample.diff().gt(0).all() and sample[-1] >= 1000.0  # evenly spread, the later tensors sampled too
+    # a change in any contiguous span of 1 % of the vector shows
+    changed = [t.clone() for t in tensors]
+    changed[0].view(-1)[500:511] += 1e-3
+    assert not agreement.agree(fingerprint(changed), sample, TOL)
+
+
+def test_malformed_samples_are_ignored():
+    assert decode_sample(_sample(1.0).numpy().tobytes()) is not None
+    assert decode_sample(_sample(float("nan")).numpy().tobytes()) is None
+    assert decode_sample(b"\x00" * (4 * FINGERPRINT_SIZE - 4)) is None
+    assert decode_sample("not bytes") is None
+
+
+@pytest.mark.timeout(60)
+def test_fingerprint_records_are_validated_and_a_peer_id_claimed_twice_counts_for_neither():
+    """Real DHT peers (each its own process): the honest one with the swarm's validators, a rogue that only signs its
+    records. A record with an oversized sample, too long a history or a huge peer ID is never read; a second
+    identity claiming the honest peer's ID voids that ID's vote (its sample cannot be trusted to be the peer's)."""
+    run_id = "agree"
+    honest_key, rogue_key = RSAPrivateKey(), RSAPrivateKey()
+    honest_validators, honest_public = make_validators(run_id, honest_key)
+    honest = hivemind.DHT(start=True, record_validators=honest_validators)
+    signer = RSASignatureValidator(rogue_key)  # the rogue skips the schema: only the honest peers check it
+    rogue_public = signer.local_public_key
+    rogue = hivemind.DHT(
+        start=True, record_validators=[signer], initial_peers=[str(a) for a in honest.get_visible_maddrs()]
+    )
+    try:
+        peer_id = honest.peer_id.to_bytes()
+        mine = RoundFingerprints(
+            peer_id=peer_id, rounds=[RoundFingerprint(epoch=3, ended=1.0, sample=_sample(1.0).numpy().tobytes())]
+        )
+        assert publish_fingerprints(honest, run_id, honest_public, mine).result(timeout=10)
+        assert fetch_fingerprints(rogue, run_id, 3, timeout=10) == {peer_id: mine.rounds[0]}
+        assert fetch_fingerprints(rogue, run_id, 4, timeout=10) == {}  # another round's records are not mixed in
+
+        too_big = dict(
+            peer_id=rogue.peer_id.to_bytes(), rounds=[dict(epoch=3, ended=1.0, sample=b"\x00" * 8 * FINGERPRINT_SIZE)]
+        )
+        too_long = dict(
+            peer_id=rogue.peer_id.to_bytes(),
+            rounds=[dict(epoch=e, ended=1.0, sample=_sample(0.0).numpy().tobytes()) for e in range(9)],
+        )
+        for value in (too_big, too_long, {"peer_id": b"x" * 10_000, "rounds": []}):
+            rogue.store(fingerprints_key(run_id), value, get_dht_time() + 60, subkey=rogue_public)
+            assert fetch_fingerprints(honest, run_id, 3, timeout=10) == {peer_id: mine.rounds[0]}
+
+        spoof = RoundFingerprints(
+            peer_id=peer_id, rounds=[RoundFingerprint(epoch=3, ended=1.0, sample=_sample(0.0).numpy().tobytes())]
+        )
+        assert publish_fingerprints(rogue, run_id, rogue_public, spoof).result(timeout=10)
+        deadline = time.monotonic() + 10
+        while fetch_fingerprints(honest, run_id, 3, timeout=10) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert fetch_fingerprints(honest, run_id, 3, timeout=10) == {}
+    finally:
+        rogue.shutdown()
+        honest.shutdown()
