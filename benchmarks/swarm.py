@@ -39,7 +39,6 @@ from benchmarks.report import markdown_table
 from benchmarks.swarm_lib import (
     BREAKDOWN,
     LINKS,
-    LOCAL_ACCUMULATION,
     MODES,
     Row,
     RunSettings,
@@ -84,8 +83,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         + "; ".join(f"{name} = {link.describe()}" for name, link in LINKS.items())
         + ". Modes: "
         + "; ".join(f"{name} = {' '.join(flags) or 'defaults'}" for name, flags in MODES.items())
-        + f" (local_x<k>: rounds of k x --target_batch_size samples, H = local steps per peer per round = round / "
-        f"(peers x per_device_batch_size x {LOCAL_ACCUMULATION})).\n\n"
+        + " (local_x<k>: rounds of k x --target_batch_size samples, H = local steps per peer per round = round / "
+        "(peers x per_device_batch_size x gradient_accumulation_steps)).\n\n"
         + next(part for part in __doc__.split("\n\n") if part.startswith("Equal samples")),
     )
     parser.add_argument("--quick", action="store_true", help="reduced matrix for tests: " + json.dumps(QUICK))
@@ -103,7 +102,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--per_device_batch_size",
         type=int,
-        help="samples per micro-batch; local modes accumulate 4 per local step (default: 4)",
+        help="samples per micro-batch (default: 4)",
+    )
+    parser.add_argument(
+        "--gradient_accumulation_steps",
+        type=int,
+        help="micro-batches per local step, every row (local mode's inner LAMB steps once per local step; default: 1)",
     )
     parser.add_argument("--max_sequence_length", type=int, help="tokens per sample (default: 128)")
     parser.add_argument("--matchmaking_time", type=float, help="seconds (default: 5)")
@@ -149,6 +153,7 @@ def settings_from(args: argparse.Namespace) -> RunSettings:
         "epochs",
         "target_batch_size",
         "per_device_batch_size",
+        "gradient_accumulation_steps",
         "max_sequence_length",
         "matchmaking_time",
         "averaging_timeout",
@@ -406,7 +411,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"model {settings.model_config}, {settings.peers} peers, {settings.total_samples} samples per row "
         f"({settings.epochs} global epochs of {settings.target_batch_size}, or fewer larger rounds), measured from "
         f"sample {window_start} on; {settings.per_device_batch_size} × {settings.max_sequence_length} tokens per "
-        f"micro-batch, one torch thread per peer, {os.cpu_count()} cores, {platform.machine()}; "
+        f"micro-batch, {settings.gradient_accumulation_steps} per local step, one torch thread per peer, "
+        f"{os.cpu_count()} cores, {platform.machine()}; "
         f"wall {time.monotonic() - began:.0f} s; logs in {folder}\n"
     )
     print_tables(rows)

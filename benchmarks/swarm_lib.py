@@ -65,23 +65,15 @@ MODES: Dict[str, List[str]] = {
 }
 """Mode -> trainer flags added to the common ones."""
 
-LOCAL_ROUNDS: Dict[str, int] = {"local_x1": 1, "local_x4": 4, "local_x8": 8, "local_x16": 16}
-"""--sync_mode local (DiLoCo-style) modes -> round size in sync epochs (``target_batch_size``): local_x16 averages
-once per 16 epochs' worth of samples, so its bytes per sample are about 16 x 2 / 1.125 lower than sync's."""
-LOCAL_ACCUMULATION = 4
-"""Micro-batches per local step in local mode: the inner 8-bit LAMB steps after every local step (about 40 ns per
-parameter on one CPU core, as long as ~2 samples of compute), so a larger local step keeps it a small share (a
-GPU makes it negligible). H = round / (peers x per_device_batch_size x LOCAL_ACCUMULATION)."""
+LOCAL_ROUNDS: Dict[str, int] = {"local_x1": 1, "local_x4": 4, "local_x8": 8, "local_x12": 12, "local_x16": 16}
+"""--sync_mode local (DiLoCo-style) modes -> round size in sync epochs (``target_batch_size``): local_x12 averages
+once per 12 epochs' worth of samples, so its bytes per sample are about 12 x 2 / 1.125 lower than sync's. H = local
+steps per peer per round = round / (peers x samples per local step); the inner 8-bit LAMB steps after every local
+step (about 40 ns per parameter on one CPU core), so local steps of many samples (``--gradient_accumulation_steps``,
+the same for every row) keep it a small share, as a GPU does."""
 for _name in LOCAL_ROUNDS:
     # the shared parameters are averaged every 8 rounds only: the pseudo-gradient all-reduce keeps peers together
-    MODES[_name] = [
-        "--sync_mode",
-        "local",
-        "--gradient_accumulation_steps",
-        str(LOCAL_ACCUMULATION),
-        "--average_state_every",
-        "8",
-    ]
+    MODES[_name] = ["--sync_mode", "local", "--average_state_every", "8"]
 
 BREAKDOWN = (
     "compute",
@@ -103,6 +95,7 @@ class RunSettings:
     model_config: str = "bench"
     peers: int = 2
     per_device_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
     # an epoch is 16 local steps of about a second per peer: long enough for a broadband all-reduce to matter
     # little, short enough for the whole matrix to run in 30 minutes
     target_batch_size: int = 128
@@ -134,11 +127,14 @@ class RunSettings:
         """H: local optimizer steps per peer per all-reduce (local modes only; NaN otherwise)."""
         if mode not in LOCAL_ROUNDS:
             return math.nan
-        return self.round_size(mode) / (self.peers * self.per_device_batch_size * LOCAL_ACCUMULATION)
+        return self.round_size(mode) / (self.peers * self.per_device_batch_size * self.gradient_accumulation_steps)
 
     def check(self, modes: Sequence[str]) -> Optional[str]:
         """Why ``modes`` cannot train equal samples with these settings (None if they can)."""
         largest = max(LOCAL_ROUNDS.get(mode, 1) for mode in modes)
+        uneven = [mode for mode in modes if largest % LOCAL_ROUNDS.get(mode, 1)]
+        if uneven:
+            return f"{', '.join(uneven)} cannot start the measured window at the end of the largest round ({largest} x)"
         if self.epochs % largest or self.epochs < 2 * largest:
             return (
                 f"every row trains --epochs x --target_batch_size samples and is measured after the largest round "
@@ -155,6 +151,8 @@ class RunSettings:
             self.model_config,
             "--per_device_batch_size",
             str(self.per_device_batch_size),
+            "--gradient_accumulation_steps",
+            str(self.gradient_accumulation_steps),
             "--target_batch_size",
             str(self.round_size(mode)),
             "--max_epochs",

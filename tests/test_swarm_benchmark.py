@@ -60,7 +60,7 @@ def _flag(flags, name):
 
 
 def test_every_mode_trains_the_same_samples_on_the_same_schedule():
-    settings = RunSettings(epochs=32, target_batch_size=128, per_device_batch_size=4)
+    settings = RunSettings(epochs=32, target_batch_size=128, per_device_batch_size=4, gradient_accumulation_steps=4)
     assert settings.total_samples == 4096
     for mode, rounds, epochs in (("sync", 128, 32), ("local_x4", 512, 8), ("local_x16", 2048, 2)):
         flags = settings.flags(mode)
@@ -83,6 +83,7 @@ def test_every_mode_trains_the_same_samples_on_the_same_schedule():
     assert settings.check(["solo", "sync", "local_x16"]) is None
     assert "multiple of 16" in RunSettings(epochs=24).check(["sync", "local_x16"])
     assert "at least 32" in RunSettings(epochs=16).check(["sync", "local_x16"])
+    assert "local_x8 cannot start" in RunSettings(epochs=24).check(["sync", "local_x8", "local_x12"])
     with pytest.raises(SystemExit):
         parse_args(["--modes", "solo,sync,local_x4", "--epochs", "6"])
     assert params_every(2048, 128) == 4 and params_every(2048, 2048) == 1
