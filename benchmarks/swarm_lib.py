@@ -238,8 +238,29 @@ class Row:
     def bytes_over_bound(self) -> float:
         return self.bytes_per_sample / self.bound_bytes_per_sample if self.bound_bytes_per_sample else math.nan
 
+    @property
+    def samples_trained(self) -> float:
+        """Samples the whole run trained (solo: per peer), from the epochs' events. hivemind ends an epoch once the
+        swarm has reported its target, so the steps the peers have in flight overshoot it (by up to a local step
+        per peer: much of a short epoch of large local steps)."""
+        return float(self.curve[-1]["samples"]) if self.curve else math.nan
+
+    def validation_points(self) -> List[Tuple[float, float]]:
+        """(samples trained by then, validation loss) for each point of ``val_curve``."""
+        trained = {int(c["epoch"]): float(c["samples"]) for c in self.curve}
+        return [(trained.get(int(p["epoch"]), float(p["samples"])), p["loss"]) for p in self.val_curve]
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "bytes_over_bound": self.bytes_over_bound}
+        return {**asdict(self), "bytes_over_bound": self.bytes_over_bound, "samples_trained": self.samples_trained}
+
+
+def loss_at(points: Sequence[Tuple[float, float]], samples: float) -> float:
+    """The validation loss at ``samples``, interpolated linearly between the points around it (NaN outside)."""
+    points = sorted(points)
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= samples <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (samples - x0) / (x1 - x0)
+    return points[0][1] if len(points) == 1 and points[0][0] == samples else math.nan
 
 
 # ------------------------------------------------------------------------------------ bytes on the wire

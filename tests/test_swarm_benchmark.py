@@ -27,6 +27,7 @@ from benchmarks.swarm_lib import (
     Row,
     RunSettings,
     allreduce_bound_per_epoch,
+    loss_at,
     measure,
     params_every,
     validation_losses,
@@ -103,40 +104,37 @@ def test_every_row_is_measured_after_the_largest_round(tmp_path):
     peers = [_peer(tmp_path, "a", epochs), _peer(tmp_path, "b", epochs)]
     sampler = CounterSampler([object(), object()])
     sampler.samples = [(0.0, [0, 0]), (100.0, [10_000, 10_000])]
-    row = measure(
-        Row(link="home", mode="sync", peers=2, round_samples=128),
-        peers,
-        sampler,
-        0.0,
-        wire_bytes=1000,
-        solo_rate=2.0,
-        window_start=512,
-    )
+
+    def measured(window_start):
+        row = Row(link="home", mode="sync", peers=2, round_samples=128)
+        return measure(row, peers, sampler, 0.0, wire_bytes=1000, solo_rate=2.0, window_start=window_start)
+
+    row = measured(512)
     assert row.error is None and row.epochs_measured == 4 and row.samples_measured == 4 * 128
     assert row.seconds_measured == 40.0 and row.samples_per_second == 512 / 40 and row.efficiency == 512 / 40 / 4
     assert row.bytes_per_sample == 2 * 4000 / 512  # 100 bytes/s per peer over the 40 s window
     assert len(row.curve) == 8  # the training-loss curve keeps every epoch
-    late = measure(
-        Row(link="home", mode="sync", peers=2, round_samples=128),
-        peers,
-        sampler,
-        0.0,
-        wire_bytes=1000,
-        solo_rate=2.0,
-        window_start=1024,
-    )
+    late = measured(1024)
     assert late.error and "fewer than 2" in late.error
 
 
 def test_tables_compare_every_mode_with_sync():
-    sync = Row(link="home", mode="sync", peers=2, round_samples=128, bytes_per_sample=2000.0, validation_loss=7.0)
-    sync.val_curve = [dict(samples=512, loss=7.5), dict(samples=1024, loss=7.0)]
-    local = Row(link="home", mode="local_x8", peers=2, round_samples=1024, local_steps=32.0, bytes_per_sample=80.0)
-    local.validation_loss, local.efficiency, local.val_curve = 7.07, 0.93, [dict(samples=1024, loss=7.07)]
+    # sync's epochs overshot their 512 samples (600 trained per epoch): the local row is compared at its 1100 samples
+    sync = Row(link="home", mode="sync", peers=2, round_samples=512, bytes_per_sample=2000.0, validation_loss=7.0)
+    sync.curve = [dict(epoch=0, samples=600, loss=8.0), dict(epoch=1, samples=1200, loss=7.5)]
+    sync.val_curve = [dict(epoch=0, samples=512, loss=7.5), dict(epoch=1, samples=1024, loss=7.0)]
+    local = Row(link="home", mode="local_x2", peers=2, round_samples=1024, local_steps=32.0, bytes_per_sample=80.0)
+    local.validation_loss, local.efficiency, local.compute_share = 7.07, 0.93, 0.9
+    local.curve = [dict(epoch=0, samples=1100, loss=7.2)]
+    local.val_curve = [dict(epoch=0, samples=1024, loss=7.07)]
+    assert local.samples_trained == 1100 and sync.validation_points() == [(600.0, 7.5), (1200.0, 7.0)]
+    assert loss_at(sync.validation_points(), 1100) == pytest.approx(7.5 - 0.5 * 500 / 600)
+    assert math.isnan(loss_at(sync.validation_points(), 1300))
     compared = against_sync([sync, local])
-    assert "| home | local_x8 | 32 | 25.0 | 1.0 | 0.93 |" in compared
-    assert "| home | local_x8 | — | 7.070 |" in curve_table([sync, local])
-    assert "| home | local_x8 | 2 | 1024 | 32 |" in table([sync, local])
+    gap = 100 * (7.07 / (7.5 - 0.5 * 500 / 600) - 1)
+    assert f"| home | local_x2 | 32 | 25.0 | 1100 | 7.070 | 7.083 | {gap:.1f} | 1.0 | 0.93 | 0.90 |" in compared
+    assert "| home | local_x2 | — | 7.070 (1.1k) |" in curve_table([sync, local])
+    assert "| home | local_x2 | 2 | 1024 | 32 | 1100 |" in table([sync, local])
 
 
 def test_saved_parameters_are_evaluated(tmp_path):
