@@ -10,8 +10,14 @@ One invocation runs ``solo`` first (the compute reference, measured in the same 
 link, and prints a markdown table: useful samples/s of the swarm, efficiency = swarm samples/s / (N x solo
 samples/s), bytes sent + received per peer per sample (from the namespace interfaces' counters) next to the
 butterfly all-reduce lower bound of the gradients at the wire format, a per-epoch time breakdown and the
-validation loss after the same number of samples as ``solo``. See ``benchmarks/swarm_lib.py`` for how each figure
-is measured.
+validation loss; then the validation loss at equal samples (a curve) and each mode against ``sync``. See
+``benchmarks/swarm_lib.py`` for how each figure is measured.
+
+Equal samples: every row trains ``--epochs x --target_batch_size`` samples. The ``local_x<k>`` modes
+(``--sync_mode local``) all-reduce once per round of k x ``--target_batch_size`` samples, so they run k times fewer
+global epochs, with the learning-rate schedule scaled to the same samples. Every row is measured over the same
+samples: from the end of the largest round of the matrix (startup, joining and every mode's first round left out)
+to the end, so ``--epochs`` must be a multiple of the largest k and at least twice it.
 """
 
 from __future__ import annotations
@@ -37,8 +43,11 @@ from benchmarks.swarm_lib import (
     Row,
     RunSettings,
     final_params,
+    loss_at,
     measure,
+    params_every,
     run_swarm,
+    validation_curve,
     validation_loss,
     wire_bytes_of,
 )
@@ -75,16 +84,32 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         + "; ".join(f"{name} = {link.describe()}" for name, link in LINKS.items())
         + ". Modes: "
         + "; ".join(f"{name} = {' '.join(flags) or 'defaults'}" for name, flags in MODES.items())
-        + ".",
+        + " (local_x<k>: rounds of k x --target_batch_size samples, H = local steps per peer per round = round / "
+        "(peers x per_device_batch_size x gradient_accumulation_steps)).\n\n"
+        + next(part for part in __doc__.split("\n\n") if part.startswith("Equal samples")),
     )
     parser.add_argument("--quick", action="store_true", help="reduced matrix for tests: " + json.dumps(QUICK))
     parser.add_argument("--links", help=f"comma-separated link presets (default: {','.join(DEFAULT_LINKS)})")
     parser.add_argument("--modes", help=f"comma-separated modes, solo first (default: {','.join(DEFAULT_MODES)})")
     parser.add_argument("--peers", type=int, choices=(2, 3), default=2, help="trainers per swarm (3: oversubscribed)")
     parser.add_argument("--model_config", help="model preset or JSON file for every peer (default: bench)")
-    parser.add_argument("--epochs", type=int, help="global epochs per run, the first one not measured (default: 4)")
-    parser.add_argument("--target_batch_size", type=int, help="samples per global epoch (default: 128)")
-    parser.add_argument("--per_device_batch_size", type=int, help="samples per local step (default: 4)")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        help="every row trains epochs x target_batch_size samples (local_x<k>: epochs / k rounds); the first largest "
+        "round is not measured (default: 4)",
+    )
+    parser.add_argument("--target_batch_size", type=int, help="samples per global epoch of sync (default: 128)")
+    parser.add_argument(
+        "--per_device_batch_size",
+        type=int,
+        help="samples per micro-batch (default: 4)",
+    )
+    parser.add_argument(
+        "--gradient_accumulation_steps",
+        type=int,
+        help="micro-batches per local step, every row (local mode's inner LAMB steps once per local step; default: 1)",
+    )
     parser.add_argument("--max_sequence_length", type=int, help="tokens per sample (default: 128)")
     parser.add_argument("--matchmaking_time", type=float, help="seconds (default: 5)")
     parser.add_argument("--averaging_timeout", type=float, help="seconds (default: 60)")
@@ -116,6 +141,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
     if "solo" not in args.modes:
         parser.error("efficiency needs the solo reference: include solo in --modes (e.g. --modes solo,sync)")
+    problem = settings_from(args).check(args.modes)
+    if problem and not args.from_json:
+        parser.error(problem)
     return args
 
 
@@ -126,6 +154,7 @@ def settings_from(args: argparse.Namespace) -> RunSettings:
         "epochs",
         "target_batch_size",
         "per_device_batch_size",
+        "gradient_accumulation_steps",
         "max_sequence_length",
         "matchmaking_time",
         "averaging_timeout",
@@ -156,7 +185,8 @@ def _fmt(value: float, digits: int = 2) -> str:
 
 
 def table(rows: Sequence[Row]) -> str:
-    header = ["link", "mode", "peers", "samples/s", "efficiency", "compute share", "KB/sample/peer", "bound KB"]
+    header = ["link", "mode", "peers", "round", "H", "samples", "samples/s", "efficiency", "compute share"]
+    header += ["KB/sample/peer", "bound KB"]
     header += ["× bound", "s/epoch", "compute", "blocked", "matchmaking", "grad all-reduce", "state avg", "opt step"]
     header += ["downloads", "val loss"]
     lines = [
@@ -164,6 +194,9 @@ def table(rows: Sequence[Row]) -> str:
             row.link,
             row.mode + (" (oversubscribed)" if row.peers > 2 else ""),
             str(row.peers),
+            str(row.round_samples or "—"),
+            _fmt(row.local_steps, 0),
+            _fmt(row.samples_trained, 0),
             _fmt(row.samples_per_second),
             _fmt(row.efficiency),
             _fmt(row.compute_share),
@@ -179,6 +212,52 @@ def table(rows: Sequence[Row]) -> str:
     return markdown_table(header, lines)
 
 
+def curve_table(rows: Sequence[Row]) -> str:
+    """Validation loss at the nominal sample counts (epochs x round size; the points every row has in common are
+    the ends of the largest round), with the samples actually trained by then (k = 1000)."""
+    points = sorted({int(p["samples"]) for row in rows for p in row.val_curve})
+    if not points:
+        return ""
+    lines = []
+    for row in rows:
+        trained = dict(zip((int(p["samples"]) for p in row.val_curve), row.validation_points()))
+        cells = [f"{_fmt(trained[n][1], 3)} ({trained[n][0] / 1e3:.1f}k)" if n in trained else "—" for n in points]
+        lines.append([row.link, row.mode, *cells])
+    return markdown_table(["link", "mode", *(f"@ {n}" for n in points)], lines)
+
+
+def against_sync(rows: Sequence[Row]) -> str:
+    """Each mode against ``sync`` on the same link: the issue-13 targets (bytes ≥ 20x lower, validation loss within
+    3 % at equal samples, efficiency ≥ 0.9). The sync loss is read off its validation curve at the samples the row
+    actually trained (epochs overshoot their target by the steps in flight, sync's short ones the most); "sync's end"
+    is the sync run's final loss (the same nominal samples: epochs x target)."""
+    syncs = {row.link: row for row in rows if row.mode == "sync"}
+    lines = []
+    for row in rows:
+        if row.link not in syncs or row.mode in ("solo", "sync"):
+            continue
+        sync = syncs[row.link]
+        reference = loss_at(sync.validation_points(), row.samples_trained)
+        lines.append(
+            [
+                row.link,
+                row.mode,
+                _fmt(row.local_steps, 0),
+                _fmt(sync.bytes_per_sample / row.bytes_per_sample, 1),
+                f"{row.samples_trained:.0f}",
+                _fmt(row.validation_loss, 3),
+                _fmt(reference, 3),
+                _fmt(100.0 * (row.validation_loss / reference - 1.0), 1),
+                _fmt(100.0 * (row.validation_loss / sync.validation_loss - 1.0), 1),
+                _fmt(row.efficiency),
+                _fmt(row.compute_share),
+            ]
+        )
+    header = ["link", "mode", "H", "sync bytes ÷ bytes", "samples trained", "val loss", "sync val loss there"]
+    header += ["vs sync there (%)", "vs sync's end (%)", "efficiency", "compute share"]
+    return markdown_table(header, lines) if lines else ""
+
+
 def write_plot(rows: Sequence[Row], path: Path) -> None:
     import matplotlib
 
@@ -190,9 +269,20 @@ def write_plot(rows: Sequence[Row], path: Path) -> None:
         if not row.curve:
             continue
         label = f"{row.link}/{row.mode}"
-        axes[0][0].plot([c["samples"] for c in row.curve], [c["loss"] for c in row.curve], marker="o", label=label)
+        (line,) = axes[0][0].plot(
+            [c["samples"] for c in row.curve], [c["loss"] for c in row.curve], marker=".", lw=0.8, label=label
+        )
+        if row.val_curve:
+            axes[0][0].plot(
+                [x for x, _ in row.validation_points()],
+                [y for _, y in row.validation_points()],
+                marker="s",
+                ls="--",
+                color=line.get_color(),
+                label=f"{label} (validation)",
+            )
         axes[0][1].plot([c["seconds"] for c in row.curve], [c["loss"] for c in row.curve], marker="o", label=label)
-    axes[0][0].set(xlabel="samples (swarm)", ylabel="training loss", title="loss vs samples")
+    axes[0][0].set(xlabel="samples (swarm)", ylabel="loss", title="training (dots) and validation (squares) loss")
     axes[0][1].set(xlabel="seconds since start", ylabel="training loss", title="loss vs wall time")
     measured = [r for r in rows if r.mode != "solo" and math.isfinite(r.efficiency)]
     names = [f"{r.link}\n{r.mode}" for r in measured]
@@ -202,6 +292,7 @@ def write_plot(rows: Sequence[Row], path: Path) -> None:
     axes[1][0].set_xticks(list(positions), names)
     axes[1][0].axhline(1.0, color="grey", lw=0.8)
     axes[1][0].axhline(0.85, color="tab:red", lw=0.8, ls="--", label="target at broadband (0.85)")
+    axes[1][0].axhline(0.9, color="tab:green", lw=0.8, ls=":", label="local-mode target at home (0.9)")
     axes[1][0].set(ylabel="fraction", title="efficiency (swarm ÷ N × solo) and compute share")
     axes[1][1].bar(names, [r.bytes_per_sample / 1e3 for r in measured], color="tab:orange", label="measured")
     axes[1][1].scatter(names, [r.bound_bytes_per_sample / 1e3 for r in measured], color="k", zorder=3, label="bound")
@@ -228,13 +319,14 @@ def rows_from_json(path: Path) -> List[Row]:
 def run_matrix(args: argparse.Namespace, folder: Path) -> List[Row]:
     settings = settings_from(args)
     wire = wire_bytes_of(gradient_sizes(settings.model_config), settings.compression_threshold)
+    window_start = max(settings.round_size(mode) for mode in args.modes)
     logger.info(
-        "Model %s: gradients %.1f MB on the wire per copy; %d peers, %d epochs of %d samples",
+        "Model %s: gradients %.1f MB on the wire per copy; %d peers, %d samples per row, measured from sample %d",
         settings.model_config,
         wire / 1e6,
         settings.peers,
-        settings.epochs,
-        settings.target_batch_size,
+        settings.total_samples,
+        window_start,
     )
     plan = [("any", "solo")] + [(link, mode) for link in args.links for mode in args.modes if mode != "solo"]
     rows: List[Row] = []
@@ -244,6 +336,7 @@ def run_matrix(args: argparse.Namespace, folder: Path) -> List[Row]:
         run_folder = folder / f"{link}_{mode.replace('+', '_')}"
         logger.info("Running %s on %s (%s)", mode, link, run_folder)
         row = Row(link=link, mode=mode, peers=1 if mode == "solo" else settings.peers)
+        row.round_samples, row.local_steps = settings.round_size(mode), settings.local_steps(mode)
         try:
             peers, sampler, started = run_swarm(
                 run_folder,
@@ -251,8 +344,9 @@ def run_matrix(args: argparse.Namespace, folder: Path) -> List[Row]:
                 mode=mode,
                 settings=settings,
                 timeout=args.run_timeout,
+                params_every=params_every(window_start, row.round_samples),
             )
-            measure(row, peers, sampler, started, wire_bytes=wire, solo_rate=solo_rate)
+            measure(row, peers, sampler, started, wire_bytes=wire, solo_rate=solo_rate, window_start=window_start)
         except Exception as e:  # one broken run must not cost the rest of a 30-minute matrix
             logger.exception("Run %s/%s failed", link, mode)
             row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
@@ -264,6 +358,13 @@ def run_matrix(args: argparse.Namespace, folder: Path) -> List[Row]:
             if peers:
                 row.validation_loss = validation_loss(
                     final_params(peers),
+                    settings.model_config,
+                    settings.max_sequence_length,
+                    max_batches=args.eval_batches,
+                )
+                row.val_curve = validation_curve(
+                    peers[0],
+                    row.round_samples,
                     settings.model_config,
                     settings.max_sequence_length,
                     max_batches=args.eval_batches,
@@ -289,6 +390,16 @@ def run_matrix(args: argparse.Namespace, folder: Path) -> List[Row]:
     return rows
 
 
+def print_tables(rows: Sequence[Row]) -> None:
+    print(table(rows))
+    for title, text in (
+        ("Validation loss at equal samples", curve_table(rows)),
+        ("Against sync on the same link", against_sync(rows)),
+    ):
+        if text:
+            print(f"\n{title}:\n\n{text}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(
         level=os.environ.get("LEANHIVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -296,7 +407,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.from_json:
         rows = rows_from_json(args.from_json)
-        print(table(rows))
+        print_tables(rows)
         write_plot(rows, args.plot)
         return 0
     from tests.support.netem.hosts import netns_unavailable_reason
@@ -309,14 +420,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     folder = args.folder or Path(tempfile.mkdtemp(prefix="leanhive-swarm-bench-"))
     rows = run_matrix(args, folder)
     settings = settings_from(args)
+    window_start = max(settings.round_size(mode) for mode in args.modes)
     print(
         f"Command: `python -m benchmarks.swarm {' '.join(sys.argv[1:] if argv is None else argv)}` — "
-        f"model {settings.model_config}, {settings.peers} peers, {settings.epochs} global epochs of "
-        f"{settings.target_batch_size} samples ({settings.per_device_batch_size} × {settings.max_sequence_length} "
-        f"tokens per local step), one torch thread per peer, {os.cpu_count()} cores, {platform.machine()}; "
+        f"model {settings.model_config}, {settings.peers} peers, {settings.total_samples} samples per row "
+        f"({settings.epochs} global epochs of {settings.target_batch_size}, or fewer larger rounds), measured from "
+        f"sample {window_start} on; {settings.per_device_batch_size} × {settings.max_sequence_length} tokens per "
+        f"micro-batch, {settings.gradient_accumulation_steps} per local step, one torch thread per peer, "
+        f"{os.cpu_count()} cores, {platform.machine()}; "
         f"wall {time.monotonic() - began:.0f} s; logs in {folder}\n"
     )
-    print(table(rows))
+    print_tables(rows)
     if args.plot:
         write_plot(rows, args.plot)
         logger.info("Wrote %s", args.plot)

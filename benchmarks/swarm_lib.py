@@ -10,6 +10,11 @@ per sample, a per-epoch time breakdown and the validation loss.
 The ``solo`` mode runs N independent single-peer swarms at the same time (one per host, separate run ids): each
 peer trains alone, and the N of them load the 2-core machine as the N peers of a real swarm do, so the
 compute reference is measured under the same CPU contention.
+
+Every row trains the same number of samples (``RunSettings.total_samples``): a mode whose rounds are larger
+(``--sync_mode local`` with ``LOCAL_ROUNDS``) runs proportionally fewer global epochs, with its learning-rate
+schedule scaled to the same samples, and every row is measured over the same samples: from the end of the largest
+round of the matrix (startup, joining and the first round of every mode left out) to the end.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ logger = logging.getLogger(__name__)
 PORT = 40000  # every trainer listens here on its own host; the others reach it through its proxy
 PEER_MODULE = "benchmarks.swarm_peer"
 TIMINGS_ENV = "LEANHIVE_BENCH_TIMINGS"
+PARAMS_DIR_ENV = "LEANHIVE_BENCH_PARAMS_DIR"  # the first peer saves its parameters here for the validation curve
+PARAMS_EVERY_ENV = "LEANHIVE_BENCH_PARAMS_EVERY"  # ... every this many global epochs
+CURVE_POINTS = 4
+"""Validation points per largest round (each row's points fall on the same sample counts where its rounds allow)."""
 STARTUP = 180.0  # seconds for a peer to import, start its DHT and join on a loaded 2-core machine
 
 LINKS: Dict[str, LinkProfile] = {
@@ -53,12 +62,18 @@ MODES: Dict[str, List[str]] = {
     # parameters averaged every 8 epochs instead of every epoch (peers step identically in between)
     "sync+rare_state": ["--average_state_every", "8"],
     "sync+overlap+rare_state": ["--delay_optimizer_step", "--delay_grad_averaging", "--average_state_every", "8"],
-    # --sync_mode local (DiLoCo-style): H = local LAMB steps per peer per round at the default 2 peers x 4 samples;
-    # the shared parameters are averaged every 8 rounds only (the pseudo-gradient all-reduce keeps peers together)
-    "local_h16": ["--sync_mode", "local", "--average_state_every", "8"],
-    "local_h64": ["--sync_mode", "local", "--target_batch_size", "512", "--average_state_every", "8"],
 }
 """Mode -> trainer flags added to the common ones."""
+
+LOCAL_ROUNDS: Dict[str, int] = {"local_x1": 1, "local_x4": 4, "local_x8": 8, "local_x12": 12, "local_x16": 16}
+"""--sync_mode local (DiLoCo-style) modes -> round size in sync epochs (``target_batch_size``): local_x12 averages
+once per 12 epochs' worth of samples, so its bytes per sample are about 12 x 2 / 1.125 lower than sync's. H = local
+steps per peer per round = round / (peers x samples per local step); the inner 8-bit LAMB steps after every local
+step (about 40 ns per parameter on one CPU core), so local steps of many samples (``--gradient_accumulation_steps``,
+the same for every row) keep it a small share, as a GPU does."""
+for _name in LOCAL_ROUNDS:
+    # the shared parameters are averaged every 8 rounds only: the pseudo-gradient all-reduce keeps peers together
+    MODES[_name] = ["--sync_mode", "local", "--average_state_every", "8"]
 
 BREAKDOWN = (
     "compute",
@@ -80,27 +95,68 @@ class RunSettings:
     model_config: str = "bench"
     peers: int = 2
     per_device_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
     # an epoch is 16 local steps of about a second per peer: long enough for a broadband all-reduce to matter
     # little, short enough for the whole matrix to run in 30 minutes
     target_batch_size: int = 128
     epochs: int = 4
+    """Global epochs of ``target_batch_size`` samples: every row trains ``epochs x target_batch_size`` samples."""
     max_sequence_length: int = 128
     learning_rate: float = 0.01
+    warmup_epochs: int = 2
+    total_epochs: int = 100
+    """The schedule, in epochs of ``target_batch_size`` samples (scaled to each mode's round size)."""
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
     compression_threshold: int = 65536
     extra: List[str] = field(default_factory=list)
 
-    def flags(self) -> List[str]:
+    @property
+    def total_samples(self) -> int:
+        return self.epochs * self.target_batch_size
+
+    def round_size(self, mode: str) -> int:
+        """Samples per global epoch (a round, in local mode) of ``mode``."""
+        return self.target_batch_size * LOCAL_ROUNDS.get(mode, 1)
+
+    def epochs_of(self, mode: str) -> int:
+        """Global epochs ``mode`` runs so that it trains ``total_samples``."""
+        return self.total_samples // self.round_size(mode)
+
+    def local_steps(self, mode: str) -> float:
+        """H: local optimizer steps per peer per all-reduce (local modes only; NaN otherwise)."""
+        if mode not in LOCAL_ROUNDS:
+            return math.nan
+        return self.round_size(mode) / (self.peers * self.per_device_batch_size * self.gradient_accumulation_steps)
+
+    def check(self, modes: Sequence[str]) -> Optional[str]:
+        """Why ``modes`` cannot train equal samples with these settings (None if they can)."""
+        largest = max(LOCAL_ROUNDS.get(mode, 1) for mode in modes)
+        uneven = [mode for mode in modes if largest % LOCAL_ROUNDS.get(mode, 1)]
+        if uneven:
+            return f"{', '.join(uneven)} cannot start the measured window at the end of the largest round ({largest} x)"
+        if self.epochs % largest or self.epochs < 2 * largest:
+            return (
+                f"every row trains --epochs x --target_batch_size samples and is measured after the largest round "
+                f"({largest} epochs): --epochs must be a multiple of {largest} and at least {2 * largest} "
+                f"(got {self.epochs}; e.g. --epochs {max(2, self.epochs // largest + 1) * largest})"
+            )
+        return None
+
+    def flags(self, mode: str = "sync") -> List[str]:
+        scale = self.target_batch_size / self.round_size(mode)  # schedules count rounds: keep them in samples
+        warmup = max(1, round(self.warmup_epochs * scale)) if self.warmup_epochs else 0
         return [
             "--model_config",
             self.model_config,
             "--per_device_batch_size",
             str(self.per_device_batch_size),
+            "--gradient_accumulation_steps",
+            str(self.gradient_accumulation_steps),
             "--target_batch_size",
-            str(self.target_batch_size),
+            str(self.round_size(mode)),
             "--max_epochs",
-            str(self.epochs),
+            str(self.epochs_of(mode)),
             "--max_sequence_length",
             str(self.max_sequence_length),
             "--seq_warmup_start_length",
@@ -110,9 +166,9 @@ class RunSettings:
             "--min_learning_rate",
             "0.0001",
             "--warmup_steps",
-            "2",
+            str(warmup),
             "--total_steps",
-            "100",
+            str(max(warmup + 1, round(self.total_epochs * scale))),
             "--matchmaking_time",
             str(self.matchmaking_time),
             "--averaging_timeout",
@@ -145,6 +201,10 @@ class Row:
     link: str
     mode: str
     peers: int
+    round_samples: int = 0
+    """Samples per global epoch (a round of local mode)."""
+    local_steps: float = math.nan
+    """H: local optimizer steps per peer per round (local modes)."""
     epochs_measured: int = 0
     samples_measured: int = 0
     seconds_measured: float = math.nan
@@ -168,6 +228,8 @@ class Row:
     exit_codes: List[Optional[int]] = field(default_factory=list)
     curve: List[Dict[str, float]] = field(default_factory=list)
     """Per global epoch: swarm samples so far, seconds since the run started, mean training loss."""
+    val_curve: List[Dict[str, float]] = field(default_factory=list)
+    """Validation loss of the first peer's parameters at the end of some global epochs: samples so far, loss."""
     epochs_alone: int = 0
     """Epochs of the window that some peer ended counting fewer peers than the swarm has (it did not average)."""
     error: Optional[str] = None
@@ -176,8 +238,29 @@ class Row:
     def bytes_over_bound(self) -> float:
         return self.bytes_per_sample / self.bound_bytes_per_sample if self.bound_bytes_per_sample else math.nan
 
+    @property
+    def samples_trained(self) -> float:
+        """Samples the whole run trained (solo: per peer), from the epochs' events. hivemind ends an epoch once the
+        swarm has reported its target, so the steps the peers have in flight overshoot it (by up to a local step
+        per peer: much of a short epoch of large local steps)."""
+        return float(self.curve[-1]["samples"]) if self.curve else math.nan
+
+    def validation_points(self) -> List[Tuple[float, float]]:
+        """(samples trained by then, validation loss) for each point of ``val_curve``."""
+        trained = {int(c["epoch"]): float(c["samples"]) for c in self.curve}
+        return [(trained.get(int(p["epoch"]), float(p["samples"])), p["loss"]) for p in self.val_curve]
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "bytes_over_bound": self.bytes_over_bound}
+        return {**asdict(self), "bytes_over_bound": self.bytes_over_bound, "samples_trained": self.samples_trained}
+
+
+def loss_at(points: Sequence[Tuple[float, float]], samples: float) -> float:
+    """The validation loss at ``samples``, interpolated linearly between the points around it (NaN outside)."""
+    points = sorted(points)
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= samples <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (samples - x0) / (x1 - x0)
+    return points[0][1] if len(points) == 1 and points[0][0] == samples else math.nan
 
 
 # ------------------------------------------------------------------------------------ bytes on the wire
@@ -252,15 +335,19 @@ class CounterSampler(threading.Thread):
 class BenchPeer(PeerProcess):
     """A timed trainer inside a test host."""
 
-    def __init__(self, args: Sequence[str], *, name: str, folder: Path, host: Host):
+    def __init__(self, args: Sequence[str], *, name: str, folder: Path, host: Host, params_every: int = 0):
         self.folder = folder / name
         self.timings_path = folder / f"{name}.timings.jsonl"
+        self.params_dir = folder / f"{name}.params"
+        env = {TIMINGS_ENV: str(self.timings_path)}
+        if params_every:
+            env.update({PARAMS_DIR_ENV: str(self.params_dir), PARAMS_EVERY_ENV: str(params_every)})
         super().__init__(
             args,
             name=name,
             log_path=folder / f"{name}.log",
             module=PEER_MODULE,
-            env={TIMINGS_ENV: str(self.timings_path)},
+            env=env,
             events_path=folder / f"{name}.events.jsonl",
         )
         self.host = host
@@ -279,10 +366,11 @@ class BenchPeer(PeerProcess):
 
 
 def run_swarm(
-    folder: Path, *, link_name: str, mode: str, settings: RunSettings, timeout: float
+    folder: Path, *, link_name: str, mode: str, settings: RunSettings, timeout: float, params_every: int = 0
 ) -> Tuple[List[BenchPeer], CounterSampler, float]:
-    """Start N trainers on emulated links, wait for them to finish ``settings.epochs`` global epochs; returns the
-    (exited) peers, the counter samples and the start time. Hosts and processes are gone when it returns."""
+    """Start N trainers on emulated links, wait for them to finish ``settings.epochs_of(mode)`` global epochs;
+    returns the (exited) peers, the counter samples and the start time. Hosts and processes are gone when it
+    returns. With ``params_every``, the first peer saves its parameters every that many global epochs."""
     link = LINKS[link_name]
     folder.mkdir(parents=True, exist_ok=True)
     peers: List[BenchPeer] = []
@@ -303,7 +391,7 @@ def run_swarm(
                 args = [
                     "--run_id",
                     f"bench_{mode.replace('+', '_')}_{index}" if solo else f"bench_{mode.replace('+', '_')}",
-                    *settings.flags(),
+                    *settings.flags(mode),
                     *MODES[mode],
                     "--min_peers",
                     "1" if solo else str(settings.peers),
@@ -318,7 +406,7 @@ def run_swarm(
                 ]
                 if initial and not solo:
                     args += ["--initial_peers", *initial]
-                peer = BenchPeer(args, name=name, folder=folder, host=host)
+                peer = BenchPeer(args, name=name, folder=folder, host=host, params_every=params_every * (index == 0))
                 peers.append(peer.start())
                 if index == 0 and not solo:
                     initial = peer.initial_peers(STARTUP)
@@ -349,16 +437,21 @@ def measure(
     *,
     wire_bytes: int,
     solo_rate: Optional[float],
+    window_start: int = 0,
 ) -> Row:
-    """Fill ``row`` from what the peers wrote. The window runs from the end of the first global epoch every peer
-    finished (startup and joining left out) to the end of the last one."""
+    """Fill ``row`` from what the peers wrote. The window runs from the end of the global epoch at which the swarm
+    had trained ``window_start`` samples (at least the first epoch every peer finished: startup and joining left
+    out) to the end of the last one."""
     solo = row.mode == "solo"
     done = [_epochs(peer) for peer in peers]
     row.exit_codes = [peer.poll() for peer in peers]
     row.final_epoch = min((max(d) + 1 if d else 0) for d in done)
-    common = sorted(set.intersection(*(set(d) for d in done))) if done else []
+    wanted = window_start // row.round_samples - 1 if row.round_samples else 0
+    common = sorted(e for e in set.intersection(*(set(d) for d in done)) if e >= wanted) if done else []
     if len(common) < 2:
-        row.error = f"fewer than 2 global epochs finished by every peer (exit codes {row.exit_codes})"
+        row.error = (
+            f"fewer than 2 global epochs from epoch {wanted} on finished by every peer (exit codes {row.exit_codes})"
+        )
         return row
     first, last = common[0], common[-1]
     if solo:  # independent peers: each one's own window, rates averaged
@@ -443,20 +536,51 @@ def _overlaps(mode: str) -> bool:
 # ------------------------------------------------------------------------------------ validation loss
 
 
-def validation_loss(params_path: Path, model_config: str, max_sequence_length: int, *, max_batches: int) -> float:
-    """Mean next-token loss of the final parameters on the shipped corpus's validation split."""
+def validation_losses(
+    params_paths: Sequence[Path], model_config: str, max_sequence_length: int, *, max_batches: int
+) -> List[float]:
+    """Mean next-token loss of each saved parameter set on the shipped corpus's validation split (NaN if absent)."""
     from aux_monitor.evaluation import evaluate
     from model import LeanGPTForCausalLM, load_config
     from peer.swarm.data import DataArguments, build_validation_dataset, load_tokenizer
 
-    if not params_path.exists():
-        return math.nan
-    saved = torch.load(params_path, map_location="cpu", weights_only=True)
     model = LeanGPTForCausalLM(load_config(model_config))
-    model.load_state_dict(saved["params"])
     data = DataArguments(max_sequence_length=max_sequence_length, seq_warmup_start_length=0)
     blocks = build_validation_dataset(data, load_tokenizer(data))
-    return evaluate(model, blocks, epoch=int(saved["epoch"]), batch_size=8, max_batches=max_batches).loss
+    losses = []
+    for path in params_paths:
+        if not path.exists():
+            losses.append(math.nan)
+            continue
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(saved["params"])
+        losses.append(evaluate(model, blocks, epoch=int(saved["epoch"]), batch_size=8, max_batches=max_batches).loss)
+    return losses
+
+
+def validation_loss(params_path: Path, model_config: str, max_sequence_length: int, *, max_batches: int) -> float:
+    """Mean next-token loss of the final parameters on the shipped corpus's validation split."""
+    return validation_losses([params_path], model_config, max_sequence_length, max_batches=max_batches)[0]
+
+
+def params_every(window_start: int, round_samples: int) -> int:
+    """Global epochs between the first peer's saved parameters: CURVE_POINTS per largest round of the matrix."""
+    return max(1, window_start // CURVE_POINTS // round_samples)
+
+
+def validation_curve(
+    peer: BenchPeer, round_samples: int, model_config: str, max_sequence_length: int, *, max_batches: int
+) -> List[Dict[str, float]]:
+    """Validation loss of the parameters the first peer saved (``params_every``), by samples the swarm trained
+    (nominal: epochs x round size). The files are removed once measured (4 bytes per parameter each)."""
+    paths = sorted(peer.params_dir.glob("epoch_*.pt"))
+    losses = validation_losses(paths, model_config, max_sequence_length, max_batches=max_batches)
+    curve = []
+    for path, loss in zip(paths, losses):
+        epoch = int(path.stem.split("_")[1])
+        curve.append(dict(epoch=epoch, samples=(epoch + 1) * round_samples, loss=loss))
+        path.unlink()
+    return curve
 
 
 def final_params(peers: Sequence[BenchPeer]) -> Path:

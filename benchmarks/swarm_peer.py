@@ -9,9 +9,15 @@ Each timed interval is appended to the file named by ``LEANHIVE_BENCH_TIMINGS`` 
 Kinds: ``compute`` (forward and backward of a local step), ``blocked`` (the training loop inside
 ``optimizer.step``: everything the swarm makes it wait for), ``grad_wait`` (waiting for the gradient all-reduce,
 matchmaking included), ``grad_allreduce`` / ``state_allreduce`` (one all-reduce round of the gradient / state
-averager, measured in the averager process), ``optimizer_step`` (8-bit LAMB) and ``state_download``.
+averager, measured in the averager process), ``optimizer_step`` (8-bit LAMB; in ``--sync_mode local`` the inner
+LAMB after every local step plus the outer SGD step) and ``state_download``.
 
-Nothing here changes what the trainer does: the timers wrap methods and return their results untouched. The
+With ``LEANHIVE_BENCH_PARAMS_DIR`` and ``LEANHIVE_BENCH_PARAMS_EVERY=k`` the peer also saves its parameters after
+every k-th global epoch (``epoch_<epoch>.pt``, the format of the final parameters), for the benchmark's validation
+curve; in local mode those are the shared parameters the round ended with.
+
+Nothing here changes what the trainer does: the timers wrap methods and return their results untouched (saving
+parameters only adds time to the first peer's epoch ends). The
 averager classes are wrapped before the trainer builds its optimizer, so the forked averager processes inherit it.
 """
 
@@ -22,13 +28,19 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Callable
+
+import torch
 
 import peer.cli
 from peer.swarm.hivemind_seam.averaging import LeanHiveGradientAverager, LeanHiveStateAverager
-from peer.trainer import TrainerPeer
+from peer.swarm.tensors import atomic_torch_save
+from peer.trainer import EpochStats, TrainerPeer
 
 TIMINGS_ENV = "LEANHIVE_BENCH_TIMINGS"
+PARAMS_DIR_ENV = "LEANHIVE_BENCH_PARAMS_DIR"
+PARAMS_EVERY_ENV = "LEANHIVE_BENCH_PARAMS_EVERY"
 
 
 def record(kind: str, start: float, end: float) -> None:
@@ -82,6 +94,14 @@ class TimedTrainerPeer(TrainerPeer):
         )
         optimizer.state_averager.optimizer.step = timed("optimizer_step", optimizer.state_averager.optimizer.step)
         optimizer.load_state_from_peers = timed("state_download", optimizer.load_state_from_peers)
+        if self.inner_optimizer is not None:
+            self.inner_optimizer.step = timed("optimizer_step", self.inner_optimizer.step)
+
+    def _end_epoch(self, stats: EpochStats) -> None:
+        super()._end_epoch(stats)
+        folder, every = os.environ.get(PARAMS_DIR_ENV), int(os.environ.get(PARAMS_EVERY_ENV) or 0)
+        if folder and every and (stats.epoch + 1) % every == 0:
+            save_params(self.model, stats.epoch, Path(folder))
 
     def _accumulate_gradients(self) -> float:
         start = time.time()
@@ -89,6 +109,13 @@ class TimedTrainerPeer(TrainerPeer):
             return super()._accumulate_gradients()
         finally:
             record("compute", start, time.time())
+
+
+def save_params(model: torch.nn.Module, epoch: int, folder: Path) -> Path:
+    """The parameters after global epoch ``epoch``, in the format of the final parameters (``peer.backup``)."""
+    path = folder / f"epoch_{epoch:06d}.pt"
+    atomic_torch_save(dict(params={k: v.detach().cpu() for k, v in model.state_dict().items()}, epoch=epoch), path)
+    return path
 
 
 def main() -> int:
