@@ -162,6 +162,10 @@ def build_optimizer(
     policy = AveragingPolicy(authorized_peers=authorized_peer_ids(dht), contribution_clip=collab.contribution_clip)
     # averager_opts reach only the state averager; the gradient averager gets the same through its factory
     averager_opts = dict(request_timeout=collab.request_timeout)
+    # hivemind waits matchmaking_time for a sender's next chunk; in local mode a peer enters the round's all-reduce
+    # after its current local step (seconds), and a reducer that gave up on it kept its own pseudo-gradient in that
+    # shard (measured: "received 50.0% of input tensors", the pair apart after the round). Rounds take minutes there.
+    next_chunk_timeout = max(collab.matchmaking_time, allreduce_timeout / 3) if local else None
     if local:  # the averager of pseudo-gradients; the wrapped optimizer is the outer one (trainers own the inner)
         grad_averager_factory = partial(pseudo_grad_averager_class, policy=policy, run_id=run_id, **averager_opts)
         optimizer, scheduler = partial(make_outer_sgd, args=collab), None
@@ -181,6 +185,7 @@ def build_optimizer(
         averaging_timeout=collab.averaging_timeout,
         allreduce_timeout=allreduce_timeout,
         load_state_timeout=collab.load_state_timeout,
+        next_chunk_timeout=next_chunk_timeout,
         offload_optimizer=True,
         reuse_grad_buffers=reuse_grad_buffers and not local,
         delay_optimizer_step=collab.delay_optimizer_step,
