@@ -34,8 +34,8 @@ from typing import Callable
 import torch
 
 import peer.cli
+from peer import backup
 from peer.swarm.hivemind_seam.averaging import LeanHiveGradientAverager, LeanHiveStateAverager
-from peer.swarm.tensors import atomic_torch_save
 from peer.trainer import EpochStats, TrainerPeer
 
 TIMINGS_ENV = "LEANHIVE_BENCH_TIMINGS"
@@ -113,9 +113,7 @@ class TimedTrainerPeer(TrainerPeer):
 
 def save_params(model: torch.nn.Module, epoch: int, folder: Path) -> Path:
     """The parameters after global epoch ``epoch``, in the format of the final parameters (``peer.backup``)."""
-    path = folder / f"epoch_{epoch:06d}.pt"
-    atomic_torch_save(dict(params={k: v.detach().cpu() for k, v in model.state_dict().items()}, epoch=epoch), path)
-    return path
+    return backup.save_params(folder / f"epoch_{epoch:06d}.pt", model, epoch)
 
 
 def main() -> int:

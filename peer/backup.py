@@ -101,9 +101,14 @@ def _read_backup(path: Path, model: torch.nn.Module) -> Optional[dict]:
         return None
 
 
+def save_params(path: Path, model: torch.nn.Module, epoch: int) -> Path:
+    """The model's parameters and the global epoch they belong to (the format of the final parameters)."""
+    atomic_torch_save(dict(params={k: v.detach().cpu() for k, v in model.state_dict().items()}, epoch=epoch), path)
+    return path
+
+
 def save_final_params(output_dir: str, model: torch.nn.Module, epoch: int) -> Path:
     """The parameters a peer ends with (tests compare these across peers)."""
-    path = Path(output_dir) / FINAL_PARAMS_NAME
-    atomic_torch_save(dict(params={k: v.detach().cpu() for k, v in model.state_dict().items()}, epoch=epoch), path)
+    path = save_params(Path(output_dir) / FINAL_PARAMS_NAME, model, epoch)
     logger.info("Wrote final parameters (global epoch %d) to %s", epoch, path)
     return path

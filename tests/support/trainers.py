@@ -134,11 +134,13 @@ def round_param_differences(folder: Path, names: Sequence[str]) -> Dict[int, flo
     differences = {}
     for epoch in common:
         reference, *others = [torch.load(d[epoch], map_location="cpu", weights_only=True) for d in dumps]
-        differences[epoch] = max(
-            (float((tensor - other[name]).abs().max()) for other in others for name, tensor in reference.items()),
-            default=0.0,
-        )
+        differences[epoch] = max((largest_difference(reference, other) for other in others), default=0.0)
     return differences
+
+
+def largest_difference(reference: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between each tensor of ``reference`` and ``other``'s tensor of the same name."""
+    return max((float((tensor - other[name]).abs().max()) for name, tensor in reference.items()), default=0.0)
 
 
 def max_param_difference(folders: List[Path]) -> float:
@@ -148,6 +150,5 @@ def max_param_difference(folders: List[Path]) -> float:
     for folder in folders[1:]:
         other = final_params(folder)
         assert other.keys() == reference.keys()
-        for name, tensor in reference.items():
-            worst = max(worst, float((tensor - other[name]).abs().max()))
+        worst = max(worst, largest_difference(reference, other))
     return worst

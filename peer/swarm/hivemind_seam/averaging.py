@@ -702,10 +702,10 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                     logger.warning("Failed to load the state from peers (attempt %d): %r", attempt, e)
             if self.state_averager.state_arrived():
                 self.state_loads += 1
-            if self.state_averager.state_arrived() and isinstance(self.tracker, LeanHiveProgressTracker):
-                # a peer that claimed an epoch no served state has is not followed again (one download, not one
-                # per step)
-                self.tracker.refute_claims_above(self.local_epoch)
+                if isinstance(self.tracker, LeanHiveProgressTracker):
+                    # a peer that claimed an epoch no served state has is not followed again (one download, not
+                    # one per step)
+                    self.tracker.refute_claims_above(self.local_epoch)
 
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
                 logger.log(self.status_loglevel, f"Catching up with collaboration step {self.tracker.global_epoch}")
