@@ -8,7 +8,8 @@ Run from the repository root, as root (each peer gets its own network namespace)
 
 One invocation runs ``solo`` first (the compute reference, measured in the same run), then every mode on every
 link, and prints a markdown table: useful samples/s of the swarm, efficiency = swarm samples/s / (N x solo
-samples/s), bytes sent + received per peer per sample (from the namespace interfaces' counters) next to the
+samples/s) and the same at equal compute speed (compute share / solo's, what carries over to peers that do not
+share cores), bytes sent + received per peer per sample (from the namespace interfaces' counters) next to the
 butterfly all-reduce lower bound of the gradients at the wire format, a per-epoch time breakdown and the
 validation loss; then the validation loss at equal samples (a curve) and each mode against ``sync``. See
 ``benchmarks/swarm_lib.py`` for how each figure is measured.
@@ -184,8 +185,18 @@ def _fmt(value: float, digits: int = 2) -> str:
     return "—" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.{digits}f}"
 
 
+def equal_speed_efficiency(row: Row, rows: Sequence[Row]) -> float:
+    """The row's compute share ÷ the solo row's: its efficiency if every peer computed at the same speed alone and in
+    the swarm, as peers on separate GPUs do (useful samples/s = compute speed x compute share). On this 2-core machine
+    the measured efficiency does not say it: solo peers compute all the time and slow each other down, while a swarm
+    peer that waits for the network lends its core to the other, whose steps get faster (efficiency > 1)."""
+    solo = next((r for r in rows if r.mode == "solo"), None)
+    return row.compute_share / solo.compute_share if solo is not None and solo.compute_share > 0 else math.nan
+
+
 def table(rows: Sequence[Row]) -> str:
-    header = ["link", "mode", "peers", "round", "H", "samples", "samples/s", "efficiency", "compute share"]
+    header = ["link", "mode", "peers", "round", "H", "samples", "samples/s", "efficiency", "eff. equal speed"]
+    header += ["compute share"]
     header += ["KB/sample/peer", "bound KB"]
     header += ["× bound", "s/epoch", "compute", "blocked", "matchmaking", "grad all-reduce", "state avg", "opt step"]
     header += ["downloads", "val loss"]
@@ -199,6 +210,7 @@ def table(rows: Sequence[Row]) -> str:
             _fmt(row.samples_trained, 0),
             _fmt(row.samples_per_second),
             _fmt(row.efficiency),
+            _fmt(equal_speed_efficiency(row, rows)),
             _fmt(row.compute_share),
             _fmt(row.bytes_per_sample / 1e3, 1),
             _fmt(row.bound_bytes_per_sample / 1e3, 1),
@@ -228,9 +240,10 @@ def curve_table(rows: Sequence[Row]) -> str:
 
 def against_sync(rows: Sequence[Row]) -> str:
     """Each mode against ``sync`` on the same link: the issue-13 targets (bytes ≥ 20x lower, validation loss within
-    3 % at equal samples, efficiency ≥ 0.9). The sync loss is read off its validation curve at the samples the row
-    actually trained (epochs overshoot their target by the steps in flight, sync's short ones the most); "sync's end"
-    is the sync run's final loss (the same nominal samples: epochs x target)."""
+    3 % at equal samples, efficiency ≥ 0.9; see ``equal_speed_efficiency``). The sync loss is read off its
+    validation curve at the samples the row actually trained (epochs overshoot their target by the steps in flight,
+    sync's short ones the most); "sync's end" is the sync run's final loss (the same nominal samples: epochs x
+    target)."""
     syncs = {row.link: row for row in rows if row.mode == "sync"}
     lines = []
     for row in rows:
@@ -250,11 +263,12 @@ def against_sync(rows: Sequence[Row]) -> str:
                 _fmt(100.0 * (row.validation_loss / reference - 1.0), 1),
                 _fmt(100.0 * (row.validation_loss / sync.validation_loss - 1.0), 1),
                 _fmt(row.efficiency),
+                _fmt(equal_speed_efficiency(row, rows)),
                 _fmt(row.compute_share),
             ]
         )
     header = ["link", "mode", "H", "sync bytes ÷ bytes", "samples trained", "val loss", "sync val loss there"]
-    header += ["vs sync there (%)", "vs sync's end (%)", "efficiency", "compute share"]
+    header += ["vs sync there (%)", "vs sync's end (%)", "efficiency", "eff. equal speed", "compute share"]
     return markdown_table(header, lines) if lines else ""
 
 
@@ -287,13 +301,18 @@ def write_plot(rows: Sequence[Row], path: Path) -> None:
     measured = [r for r in rows if r.mode != "solo" and math.isfinite(r.efficiency)]
     names = [f"{r.link}\n{r.mode}" for r in measured]
     positions = range(len(measured))
-    axes[1][0].bar([p - 0.2 for p in positions], [r.efficiency for r in measured], width=0.4, label="efficiency")
-    axes[1][0].bar([p + 0.2 for p in positions], [r.compute_share for r in measured], width=0.4, label="compute share")
+    bars = [
+        ("efficiency", [r.efficiency for r in measured]),
+        ("efficiency at equal compute speed", [equal_speed_efficiency(r, rows) for r in measured]),
+        ("compute share", [r.compute_share for r in measured]),
+    ]
+    for offset, (label, values) in zip((-0.27, 0.0, 0.27), bars):
+        axes[1][0].bar([p + offset for p in positions], values, width=0.27, label=label)
     axes[1][0].set_xticks(list(positions), names)
     axes[1][0].axhline(1.0, color="grey", lw=0.8)
     axes[1][0].axhline(0.85, color="tab:red", lw=0.8, ls="--", label="target at broadband (0.85)")
     axes[1][0].axhline(0.9, color="tab:green", lw=0.8, ls=":", label="local-mode target at home (0.9)")
-    axes[1][0].set(ylabel="fraction", title="efficiency (swarm ÷ N × solo) and compute share")
+    axes[1][0].set(ylabel="fraction", title="efficiency (swarm ÷ N × solo), at equal compute speed, compute share")
     axes[1][1].bar(names, [r.bytes_per_sample / 1e3 for r in measured], color="tab:orange", label="measured")
     axes[1][1].scatter(names, [r.bound_bytes_per_sample / 1e3 for r in measured], color="k", zorder=3, label="bound")
     axes[1][1].set(ylabel="KB per sample per peer", title="bytes on the wire vs all-reduce lower bound")

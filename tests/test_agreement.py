@@ -125,3 +125,36 @@ def test_fingerprint_records_are_validated_and_a_peer_id_claimed_twice_counts_fo
     finally:
         rogue.shutdown()
         honest.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_ended_a_round_one_epoch_label_behind_downloads_from_the_peers_ahead():
+    """A joiner that loaded the state while the other peer was ending a round averages the next round with it under
+    an epoch label one lower, from an older base: their fingerprints of that all-reduce never share an epoch. The
+    peer behind finds the record one epoch ahead that ended with its round and downloads from it; the peer ahead
+    does nothing (hivemind would refuse the older state anyway). A peer ahead that agrees is no reason to download."""
+    run_id = "late"
+    dhts, agreements = [], []
+    try:
+        for index, value in enumerate((1.0, 2.0)):
+            validators, public = make_validators(run_id, RSAPrivateKey())
+            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
+            dht = hivemind.DHT(start=True, record_validators=validators, initial_peers=initial)
+            dhts.append(dht)
+            shared = [torch.full((100,), value)]
+            agreements.append(agreement.RoundAgreement(dht, run_id, public, shared, votes=True, tolerance=TOL))
+        ahead, behind = agreements
+        ahead.round_ended(epoch=5, state_replaced=False)
+        behind.round_ended(epoch=4, state_replaced=True)  # it joined during that round: it publishes nothing
+        time.sleep(agreement.SETTLE_SECONDS)
+        assert behind.check() == (4, [dhts[0].peer_id.to_bytes()])
+        assert ahead.check() == (5, [])
+
+        behind.shared[0].fill_(1.0)  # now the same parameters: nothing to repair
+        ahead.round_ended(epoch=6, state_replaced=False)
+        behind.round_ended(epoch=5, state_replaced=False)
+        time.sleep(agreement.SETTLE_SECONDS)
+        assert behind.check() == (5, [])
+    finally:
+        for dht in dhts:
+            dht.shutdown()

@@ -317,3 +317,44 @@ def test_a_peer_that_found_nobody_yet_does_not_vote_its_fresh_epoch(tmp_path):
         assert fresh._in_sync
     finally:
         dht.shutdown()
+
+
+def test_a_client_ends_no_epoch_alone_and_counts_its_samples_as_the_others_do(tmp_path):
+    """A client-mode joiner of a local-mode swarm started before the only serving trainer had reported (hivemind
+    publishes a trainer's progress after its first step) and ended four rounds on its own samples; nobody can
+    download a client's state, so that trainer began from the older one and the two never agreed (seen in a real
+    run). A client ends no epoch while no serving trainer reports, and counts its own samples as the others count
+    them (at most ``MAX_PEER_SHARE`` of the target), so its epochs end when theirs do."""
+    import hivemind
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    from peer.swarm.hivemind_seam import LeanHiveProgressTracker
+
+    def record(samples: int, client_mode: bool) -> dict:
+        now = get_dht_time()
+        progress = LocalTrainingProgress(
+            peer_id=b"p",
+            epoch=0,
+            samples_accumulated=samples,
+            samples_per_second=50.0,
+            time=now,
+            client_mode=client_mode,
+        )
+        return ValueWithExpiration(progress.dict(), now + 60)
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        client = LeanHiveProgressTracker(dht, "client_alone_run", 64, client_mode=True, start=False)
+        own = {client._local_public_key: record(640, client_mode=True)}  # ten targets' worth of samples
+        client.global_progress = client._parse_swarm_progress_data(own)
+        assert client.consensus_epoch is None and not client.ready_to_update_epoch
+        client.global_progress = client._parse_swarm_progress_data({**own, b"trainer": record(16, client_mode=False)})
+        assert client.consensus_epoch == 0 and client.global_progress.samples_accumulated == 32 + 16
+        # a serving trainer's own samples count in full, as before
+        trainer = LeanHiveProgressTracker(dht, "client_alone_run", 64, client_mode=False, start=False)
+        mine = {trainer._local_public_key: record(40, client_mode=False)}
+        trainer.global_progress = trainer._parse_swarm_progress_data({**mine, b"client": record(640, client_mode=True)})
+        assert trainer.global_progress.samples_accumulated == 40 + 32
+    finally:
+        dht.shutdown()

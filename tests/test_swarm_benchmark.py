@@ -132,9 +132,13 @@ def test_tables_compare_every_mode_with_sync():
     assert math.isnan(loss_at(sync.validation_points(), 1300))
     compared = against_sync([sync, local])
     gap = 100 * (7.07 / (7.5 - 0.5 * 500 / 600) - 1)
-    assert f"| home | local_x2 | 32 | 25.0 | 1100 | 7.070 | 7.083 | {gap:.1f} | 1.0 | 0.93 | 0.90 |" in compared
+    assert f"| home | local_x2 | 32 | 25.0 | 1100 | 7.070 | 7.083 | {gap:.1f} | 1.0 | 0.93 | — | 0.90 |" in compared
     assert "| home | local_x2 | — | 7.070 (1.1k) |" in curve_table([sync, local])
     assert "| home | local_x2 | 2 | 1024 | 32 | 1100 |" in table([sync, local])
+    # with the solo row: the compute share over solo's (peers computing at the same speed, as on separate GPUs)
+    solo = Row(link="any", mode="solo", peers=1, compute_share=0.96)
+    assert "| 0.93 | 0.94 | 0.90 |" in against_sync([solo, sync, local])
+    assert "| 0.93 | 0.94 | 0.90 |" in table([solo, sync, local])
 
 
 def test_saved_parameters_are_evaluated(tmp_path):

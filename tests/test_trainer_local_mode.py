@@ -1,11 +1,10 @@
 """--sync_mode local with real trainer peers (separate processes on 127.0.0.1, tiny preset): two peers take local
 steps, average pseudo-gradients every round and end every round with identical shared parameters; a peer of the
 other mode that tries to join stops with an error that says how to fix it, and the pair trains on. Opt-in
-(``LEANHIVE_LOCAL_MODE_EXTRA=1``): an aux peer's checkpoints hold the shared state, with a client-mode joiner too."""
+(``LEANHIVE_LOCAL_MODE_EXTRA=1``): an aux peer's checkpoints hold the shared state, with a client-mode joiner or an
+assisting aux peer too."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -20,8 +19,7 @@ pytestmark = pytest.mark.slow
 
 EXACT = ["--compression", "none"]
 STARTUP = 120
-# about four local steps of 16 samples per peer per round with two peers
-LOCAL = ["--sync_mode", "local", "--target_batch_size", "128"]
+LOCAL = trainers.LOCAL_MODE
 
 
 @pytest.fixture
@@ -71,33 +69,22 @@ def _equal_after_every_round(tmp_path, epochs: int) -> set:
     return set(later)
 
 
-EXTRA_ENV = "LEANHIVE_LOCAL_MODE_EXTRA"
-CLIENT_FAILS = (
-    "measured twice (s9): the client-mode joiner missed rounds ('could not find a group') and re-synced, the pair "
-    "apart after the rounds; the logs point at the epoch consensus: with one voting trainer, a client and the aux "
-    "peer, the aux peer's stale epoch is a vote (median_low([4, 0]) = 0) and the client refuses the trainer's epoch"
-)
-
-
 @pytest.mark.timeout(360)
-@pytest.mark.skipif(
-    os.environ.get(EXTRA_ENV, "") in ("", "0"),
-    reason=f"about 60-120 s with three processes on two cores: set {EXTRA_ENV}=1 to run it",
-)
-@pytest.mark.parametrize(
-    "client", [False, pytest.param(True, marks=pytest.mark.xfail(strict=False, reason=CLIENT_FAILS))]
-)
-def test_an_aux_peer_checkpoints_the_shared_state_and_a_client_takes_part(tmp_path, swarm, client):
+@trainers.local_mode_extra
+@pytest.mark.parametrize("variant", ["trainer", "client", "assist"])
+def test_an_aux_peer_checkpoints_the_shared_state(tmp_path, swarm, variant):
     """An aux peer in local mode checkpoints the shared state: every checkpoint at an epoch both trainers finished
-    equals their parameters of that epoch; the joiner may be a client-mode peer (it cannot serve its state)."""
+    equals their parameters of that epoch. The joiner may be a client-mode peer (it cannot serve its state; its
+    rounds depend on the consensus counting no aux vote), and the aux peer may assist in the all-reduce rounds."""
     epochs = "10"
     common = ["--max_epochs", epochs, *LOCAL, *EXACT]
     dumps = {name: trainers.param_dump_env(tmp_path, name) for name in "ab"}
     first = start_trainer(tmp_path, "a", RUN_ID, extra=[*common, "--min_peers", "2"], env=dumps["a"])
     swarm.append(first)
     initial_peers = first.initial_peers(STARTUP)
-    swarm.append(start_aux("aux", tmp_path, free_port(), "--initial_peers", *initial_peers, *LOCAL, *EXACT))
-    joiner = [*common, "--client_mode"] if client else common
+    assist = ["--assist_in_averaging"] if variant == "assist" else []
+    swarm.append(start_aux("aux", tmp_path, free_port(), "--initial_peers", *initial_peers, *LOCAL, *EXACT, *assist))
+    joiner = [*common, "--client_mode"] if variant == "client" else common
     second = start_trainer(tmp_path, "b", RUN_ID, initial_peers=initial_peers, extra=joiner, env=dumps["b"])
     swarm.append(second)
     assert wait_all([first, second], timeout=300) == [0, 0]

@@ -17,9 +17,11 @@ import torch
 from tests.support.faults.injection import NAN_GRAD_STEPS_ENV, NAN_PARAM_EPOCHS_ENV
 from tests.support.processes import kill_all, wait_all
 from tests.support.trainers import (
+    LOCAL_MODE,
     epoch_losses,
     final_epoch,
     final_params,
+    local_mode_extra,
     max_param_difference,
     start_trainer,
     wait_for_epoch,
@@ -151,20 +153,16 @@ def test_sigkilled_peer_leaves_nothing_and_others_go_on(tmp_path, swarm):
 
 
 @pytest.mark.timeout(300)
-def test_nan_gradients_and_parameters_are_survived(tmp_path, swarm):
-    """NaN gradients are skipped and counted; NaN parameters are restored; every peer stays finite."""
+@pytest.mark.parametrize("mode", ["sync", pytest.param("local", marks=local_mode_extra)])
+def test_nan_gradients_and_parameters_are_survived(tmp_path, swarm, mode):
+    """NaN gradients are skipped and counted; NaN parameters are restored; every peer stays finite and both end at
+    the final epoch with the same parameters (in local mode: the shared ones, after the last round)."""
     faults = {NAN_GRAD_STEPS_ENV: "3,4,9", NAN_PARAM_EPOCHS_ENV: "4"}
-    first = start_trainer(
-        tmp_path, "a", "nan", extra=["--max_epochs", "8", "--min_peers", "2", "--backup_every_epochs", "2", *EXACT]
-    )
+    common = ["--max_epochs", "8", "--backup_every_epochs", "2", *EXACT, *(LOCAL_MODE if mode == "local" else [])]
+    first = start_trainer(tmp_path, "a", "nan", extra=[*common, "--min_peers", "2"])
     swarm.append(first)
     faulty = start_trainer(
-        tmp_path,
-        "faulty",
-        "nan",
-        initial_peers=first.initial_peers(STARTUP),
-        env=faults,
-        extra=["--max_epochs", "8", "--backup_every_epochs", "2", *EXACT],
+        tmp_path, "faulty", "nan", initial_peers=first.initial_peers(STARTUP), env=faults, extra=common
     )
     swarm.append(faulty)
     assert wait_all([first, faulty], timeout=240) == [0, 0]

@@ -19,6 +19,10 @@ state averaging round. This module finds and repairs such a disagreement, with o
 3. A trainer whose own fingerprint is not within the tolerance of the winner's downloads the state of a peer that
    agrees with the winner (only from those, and only if they declared their state), once for that round; if that
    fails it trains on (the next state averaging round or check pulls it back).
+4. A peer that finds no record of its own epoch from its round, but records labelled one epoch further that ended
+   within ``SAME_ROUND_SECONDS`` of its round (the same all-reduce) and disagree with it, is a round behind: it
+   loaded the state while the others were ending a round, and averaged a pseudo-gradient of the older base. It
+   downloads from them (their epoch is ahead, so hivemind accepts their state; the reverse would be refused).
 
 Every record is untrusted: the schema bounds its size, a peer ID claimed twice counts for neither, a sample with
 NaN/inf values or of the wrong size is ignored, and a vote can only make a peer download once per round from peers
@@ -174,15 +178,24 @@ class RoundAgreement:
         epoch, own, _, ended = self._pending
         self._pending = None
         try:
-            raw = fetch_fingerprints(self.dht, self.run_id, epoch, timeout=READ_TIMEOUT)
+            same = fetch_fingerprints(self.dht, self.run_id, epoch, timeout=READ_TIMEOUT)
+            later = fetch_fingerprints(self.dht, self.run_id, epoch + 1, timeout=READ_TIMEOUT)
         except Exception as e:  # noqa: BLE001 - the DHT may be unreachable for a moment: skip this round's check
             logger.info("Could not read the round fingerprints of epoch %d: %r", epoch, e)
             return epoch, []
-        others: Dict[bytes, torch.Tensor] = {}
-        for peer, record in raw.items():
-            decoded = decode_sample(record.sample)
-            if decoded is not None and peer != self.peer_id and abs(record.ended - ended) <= SAME_ROUND_SECONDS:
-                others[peer] = decoded
+        others, ahead = self._same_round(same, ended), self._same_round(later, ended)
+        ahead = [peer for peer, sample in ahead.items() if not agree(own, sample, self.tolerance)]
+        if ahead and not others:
+            # the same all-reduce, but labelled one epoch further: this peer loaded the state while the others were
+            # ending a round, so it averaged a pseudo-gradient of an older base; theirs is the swarm's state
+            logger.warning(
+                "Ended the round to epoch %d together with %d peer(s) already at epoch %d, with other shared "
+                "parameters (this peer joined a round late): downloading their state",
+                epoch,
+                len(ahead),
+                epoch + 1,
+            )
+            return epoch, sorted(ahead)
         sources = sources_to_follow(own, self.peer_id if self.votes else None, others, self.tolerance)
         if sources:
             logger.warning(
@@ -193,3 +206,12 @@ class RoundAgreement:
                 len(others) + 1,
             )
         return epoch, sources
+
+    def _same_round(self, records: Mapping[bytes, RoundFingerprint], ended: float) -> Dict[bytes, torch.Tensor]:
+        """The other peers' well-formed fingerprints of a round that ended within ``SAME_ROUND_SECONDS`` of ours."""
+        found = {}
+        for peer, record in records.items():
+            decoded = decode_sample(record.sample)
+            if decoded is not None and peer != self.peer_id and abs(record.ended - ended) <= SAME_ROUND_SECONDS:
+                found[peer] = decoded
+        return found

@@ -51,7 +51,8 @@ class CollaborationArguments:
     compression: Literal["adaptive", "fp16", "none"] = "adaptive"
     """Wire format of averaged tensors: adaptive (fp16 small / 8-bit large), fp16 for all, or none (fp32)."""
     min_peers: int = 1
-    """Before the first step, wait until this many state-sharing peers (this one included) are online."""
+    """Before the first step, wait until this many peers (this one included) are online: peers that share their
+    state (trainers, aux peers) and client-mode trainers that report progress."""
     startup_wait: float = 60.0
     """Seconds to wait for the swarm's progress (and for min_peers) before training starts."""
     final_sync_timeout: float = 60.0

@@ -31,6 +31,14 @@ def count_other_state_sharing_peers(dht: hivemind.DHT, run_id: str) -> int:
     return sum(1 for peer_id in read_state_sharing(dht, run_id) if peer_id != own_id)
 
 
+def count_other_peers_online(dht: hivemind.DHT, run_id: str) -> int:
+    """Other peers online for --min_peers: those that offer their state, plus client-mode trainers (behind NAT they
+    offer none, but report progress as they train)."""
+    own_id = dht.peer_id.to_bytes()
+    clients = {record.peer_id for record in read_progress(dht, run_id) if record.client_mode}
+    return count_other_state_sharing_peers(dht, run_id) + len(clients - {own_id})
+
+
 def check_sync_mode(dht: hivemind.DHT, run_id: str, sync_mode: str) -> None:
     """Before this peer builds its averagers: stop with an error when the run's peers declare averagers of the
     other ``--sync_mode`` only (a peer of another mode would average other quantities and diverge). Declarations
@@ -59,10 +67,10 @@ def wait_for_swarm(
     deadline = time.monotonic() + collab.startup_wait
     optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout=collab.startup_wait)
     if collab.min_peers > 1:
-        online = 1 + count_other_state_sharing_peers(dht, run_id)
+        online = 1 + count_other_peers_online(dht, run_id)
         while online < collab.min_peers and time.monotonic() < deadline:
             time.sleep(0.5)
-            online = 1 + count_other_state_sharing_peers(dht, run_id)
+            online = 1 + count_other_peers_online(dht, run_id)
         if online < collab.min_peers:
             logger.warning(
                 "Only %d of min_peers=%d peers are online after %.0f s; starting anyway",
@@ -188,7 +196,10 @@ def final_barrier(
 
     def others_now():
         progress = {p: v for p, v in _fresh_progress(dht, run_id, stale_after).items() if p != own_id}
-        priorities = {p: v for p, v in read_state_sharing(dht, run_id).items() if p != own_id}
+        # an aux peer shares its state at the epoch it last downloaded, takes no final parameters and publishes no
+        # progress (hivemind reports none for auxiliary peers): the barrier is among the peers that report progress
+        trainers = {record.peer_id for record in read_progress(dht, run_id)}
+        priorities = {p: v for p, v in read_state_sharing(dht, run_id).items() if p != own_id and p in trainers}
         return progress, priorities
 
     # 1. everyone still training gets to the last epoch: training peers report progress after every step,

@@ -84,6 +84,8 @@ Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
   private ``_local_public_key`` (its own record) and ``metadata_expiration``/``performance_ema``.
 - ``read_consensus_epoch``: the same median consensus read fresh from the DHT (a long download re-reads it; the
   re-sync after an isolation waits on it).
+- ``ready_to_update_epoch`` (property): never for a client-mode peer while no serving trainer reports (nobody
+  could join the epochs it ended alone); a client's own samples also count only as much as the others count them.
 - ``run``: hivemind's thread body, then the cancellation of the helper tasks hivemind leaves pending at shutdown
   (Python printed "Task was destroyed but it is pending!" at exit).
 - ``mark_in_sync`` (ours): the joining protocol says when this peer's own epoch starts to vote in the consensus.
@@ -223,6 +225,7 @@ OVERRIDDEN_METHODS = [
         "Optional[hivemind.utils.crypto.RSAPrivateKey] = None, daemon: bool = True, start: bool)",
     ),
     (ProgressTracker, "run", "(self)"),
+    (ProgressTracker, "ready_to_update_epoch", "property"),
     (
         ProgressTracker,
         "_parse_swarm_progress_data",

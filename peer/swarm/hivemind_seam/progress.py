@@ -85,6 +85,16 @@ class LeanHiveProgressTracker(ProgressTracker):
         loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
         loop.close()
 
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        # a client-mode peer alone (no serving trainer reports progress) would end epochs nobody can ever join: no
+        # peer can download its state. Measured: a client joiner trained four local-mode rounds before the only
+        # serving trainer started (hivemind publishes a trainer's progress only after its first step); that one
+        # began from the older state, and the two never agreed again
+        if self.client_mode and self.consensus_epoch is None:
+            return False
+        return super().ready_to_update_epoch
+
     # ------------------------------------------------------------------------------------- bounded records
 
     def mark_in_sync(self) -> None:
@@ -199,12 +209,16 @@ class LeanHiveProgressTracker(ProgressTracker):
                     self._ignore(key, "capped", f"throughput {rate:g} capped at {rate_cap:g} samples/s")
                 rate = min(rate, rate_cap)
                 extrapolated = min(max(0.0, now - record.time) * rate, extrapolation_cap)
+            # a client's own samples count as the others count them: nobody can download a state from a client, so
+            # its epochs must end when the serving peers' do, not earlier on its own samples
+            uncapped = key == own_key and not self.client_mode
+            if not uncapped:
                 samples = min(samples, share_cap)
             total_samples_per_second += rate
             if record.epoch == global_epoch:
                 total_samples_accumulated += samples
                 estimated_current_samples += (
-                    min(samples + extrapolated, share_cap) if key != own_key else (samples + extrapolated)
+                    (samples + extrapolated) if uncapped else min(samples + extrapolated, share_cap)
                 )
 
         estimated_samples_remaining = self.target_batch_size - estimated_current_samples
