@@ -183,6 +183,13 @@ class RoundAgreement:
         except Exception as e:  # noqa: BLE001 - the DHT may be unreachable for a moment: skip this round's check
             logger.info("Could not read the round fingerprints of epoch %d: %r", epoch, e)
             return epoch, []
+        logger.debug(
+            "Round to epoch %d ended at %.2f; records of that epoch ended at %s, of the next at %s",
+            epoch,
+            ended,
+            sorted(round(r.ended, 2) for r in same.values()),
+            sorted(round(r.ended, 2) for r in later.values()),
+        )
         others, ahead = self._same_round(same, ended), self._same_round(later, ended)
         ahead = [peer for peer, sample in ahead.items() if not agree(own, sample, self.tolerance)]
         if ahead and not others:

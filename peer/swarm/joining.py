@@ -204,7 +204,8 @@ def final_barrier(
 
     # 1. everyone still training gets to the last epoch: training peers report progress after every step,
     # and (unless in client mode) declare their epoch as state-sharing priority; a peer that just reloaded
-    # the state may be missing from one of the two for a moment, so both are watched
+    # the state may miss its priority for a moment, so both are watched (a priority counts once its peer has
+    # reported progress: a trainer before its first step is not waited for)
     while True:
         progress, priorities = others_now()
         if (

@@ -86,8 +86,9 @@ class PeerProcess:
             "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONPATH": python_path,
-            # a few lines per round, so that a log printed for a failed test says why a round found no group
-            "LEANHIVE_DEBUG_LOGGERS": "hivemind.averaging.matchmaking",
+            # a few lines per round, so that a log printed for a failed test says why a round found no group or why
+            # the round agreement did (not) repair a difference
+            "LEANHIVE_DEBUG_LOGGERS": "hivemind.averaging.matchmaking,peer.swarm.agreement",
             **(env or {}),
         }
         self.cwd = cwd
