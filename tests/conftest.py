@@ -2,9 +2,12 @@
 
 import logging
 import os
+import time
 
 import psutil
 import pytest
+
+from tests.support.processes import remove_orphaned_shared_memory
 
 # One torch thread per process: multi-peer tests run several peers on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -40,8 +43,13 @@ def _kill_children(timeout: float = 5.0) -> list:
 
 @pytest.fixture(autouse=True)
 def cleanup_children():
-    """Kill whatever a test left running, as hivemind's own test-suite does."""
+    """Kill whatever a test left running, as hivemind's own test-suite does, and delete the shared-memory files its
+    killed processes left behind (they would fill the machine's RAM over many runs)."""
+    started = time.time() - 1.0  # file times are coarser than the clock
     yield
     leftovers = _kill_children()
     if leftovers:
         logging.getLogger(__name__).info("killed %d leftover child processes", len(leftovers))
+    removed = remove_orphaned_shared_memory(since=started)
+    if removed:
+        logging.getLogger(__name__).info("removed %d shared-memory files of processes that are gone", removed)

@@ -4,6 +4,7 @@ fault hooks out of production code. In-process; seconds."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.events import EventLog
-from tests.support.processes import REPO_ROOT, PeerExited, PeerProcess
+from tests.support.processes import REPO_ROOT, PeerExited, PeerProcess, remove_orphaned_shared_memory
 from tests.support.trainers import FAULT_TRAINER_MODULE, injects_faults, trainer_entry_point
 
 
@@ -101,3 +102,22 @@ def test_the_faulty_gradient_averager_keeps_the_production_rpc_names():
     assert FaultyGradientAverager._get_handle_name(
         "run_grad_averager", "rpc_join_group"
     ) == LeanHiveGradientAverager._get_handle_name("run_grad_averager", "rpc_join_group")
+
+
+def test_shared_memory_files_of_processes_that_are_gone_are_removed(tmp_path):
+    """torch's 'file_system' sharing leaves /dev/shm/torch_<pid>_* behind when a peer is killed; the suite's
+    autouse fixture removes those of dead processes created during the test (here on a folder of the test's own)."""
+    import subprocess
+    import time
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = int(finished.stdout), os.getpid()
+    started = time.time() - 1.0
+    for name in (f"torch_{dead}_123_4", f"torch_{alive}_123_4", "torch_shm_manager_socket", "other_file"):
+        (tmp_path / name).write_bytes(b"x")
+    old = tmp_path / f"torch_{dead}_5_6"
+    old.write_bytes(b"x")
+    os.utime(old, (started - 3600, started - 3600))  # from before this test: not ours to judge
+    assert remove_orphaned_shared_memory(since=started, folder=tmp_path) == 1
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([f"torch_{alive}_123_4", "torch_shm_manager_socket", "other_file", old.name])
