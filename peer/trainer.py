@@ -52,6 +52,9 @@ from peer.swarm.tensors import all_finite
 from peer.swarm.watchdog import DHTWatchdog
 
 logger = logging.getLogger(__name__)
+ROUND_START_MARGIN = 2.0
+"""--sync_mode local: a local step (and hivemind's matchmaking lead) may start the next round this much earlier than
+the tracker's estimate; the round agreement's check is made before it (``_check_agreement_in_time``)."""
 
 
 @dataclass
@@ -160,6 +163,7 @@ class TrainerPeer:
                 net.run_id,
                 self.public_key,
                 self.optimizer.grad_averager.shared_parameters,
+                outer_state=self._outer_momentum,
                 votes=not net.client_mode,  # a client cannot serve its state: it follows the vote
                 tolerance=tolerance_for(self.config.collaboration.compression),
             )
@@ -223,8 +227,8 @@ class TrainerPeer:
                 break
             if self.watchdog is not None and self.watchdog.wait_while_isolated(self.stop_requested):
                 resync_with_swarm(self.optimizer)
-            if self.agreement is not None and self.agreement.due():
-                self._follow_agreement()
+            if self.agreement is not None and self.agreement.pending():
+                self._check_agreement_in_time()
             epoch_before = self.optimizer.local_epoch
             self._train_step(stats)
             if self.optimizer.local_epoch != epoch_before:
@@ -368,6 +372,26 @@ class TrainerPeer:
             self.agreement.round_ended(self.optimizer.local_epoch, state_replaced=loads != self._state_loads_seen)
             self._state_loads_seen = loads
         self._after_update(new_epoch)
+
+    def _outer_momentum(self) -> list:
+        """--sync_mode local: the outer optimizer's momentum buffers (none before its first step, or without
+        momentum), in parameter order."""
+        outer = self.optimizer.state_averager.optimizer
+        buffers = [outer.state.get(p, {}).get("momentum_buffer") for g in outer.param_groups for p in g["params"]]
+        return [buffer for buffer in buffers if buffer is not None]
+
+    def _check_agreement_in_time(self) -> None:
+        """--sync_mode local: the last round's check runs ``SETTLE_SECONDS`` after it (the others' fingerprints must
+        arrive first), and at the latest before the next round's all-reduce, whose pseudo-gradient must start from
+        the agreed state. With rounds of seconds (tests, tiny models) the next round began first, inside hivemind's
+        step, and every repair came one round late (measured); with rounds of minutes this never waits."""
+        wait = self.agreement.seconds_until_due()
+        if wait > 0:
+            next_round = self.optimizer.tracker.estimated_next_update_time - get_dht_time()
+            if next_round > wait + ROUND_START_MARGIN:
+                return  # due well before the next round: checked at a later step
+            self.stop_requested.wait(wait)
+        self._follow_agreement()
 
     def _follow_agreement(self) -> None:
         """--sync_mode local: read the last round's fingerprints; if this peer's shared parameters lost the vote,

@@ -146,8 +146,11 @@ def test_a_peer_that_ended_a_round_one_epoch_label_behind_downloads_from_the_pee
         ahead, behind = agreements
         ahead.round_ended(epoch=5, state_replaced=False)
         behind.round_ended(epoch=4, state_replaced=True)  # it joined during that round: it publishes nothing
+        assert not behind.due() and 0 < behind.seconds_until_due() <= agreement.SETTLE_SECONDS
         time.sleep(agreement.SETTLE_SECONDS)
+        assert behind.due() and behind.seconds_until_due() == 0
         assert behind.check() == (4, [dhts[0].peer_id.to_bytes()])
+        assert not behind.pending() and behind.seconds_until_due() == 0
         assert ahead.check() == (5, [])
 
         behind.shared[0].fill_(1.0)  # now the same parameters: nothing to repair

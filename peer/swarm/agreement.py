@@ -6,8 +6,11 @@ that costs one gradient step; here the survivors' shared parameters (and outer m
 state averaging round. This module finds and repairs such a disagreement, with one rule every peer computes alike:
 
 1. Right after each round, every trainer that serves its state (not a client) publishes a fingerprint of its shared
-   parameters (a signed record, ``peer.swarm.records.RoundFingerprints``): ``FINGERPRINT_SIZE`` values at fixed,
-   evenly spaced positions of the concatenated shared parameters. A shard of an all-reduce is a contiguous span of
+   parameters and outer optimizer state (a signed record, ``peer.swarm.records.RoundFingerprints``):
+   ``FINGERPRINT_SIZE`` values at fixed, evenly spaced positions of the concatenated shared parameters and outer
+   momentum buffers. The momentum counts: state averaging averages parameters only, so two peers whose momentum
+   differs (one ended a round alone) show equal parameters after each state averaging round while every outer step
+   moves them apart again. A shard of an all-reduce is a contiguous span of
    that vector, so a diverged shard shows in the sample. A peer whose state was replaced during the round (it
    joined, re-synced, repaired) publishes none for it: its round started from another base; it only follows.
 2. ``SETTLE_SECONDS`` later (at its next local step, at the latest when its next round ends), every trainer reads
@@ -142,12 +145,14 @@ class RoundAgreement:
         run_id: str,
         public_key: bytes,
         shared: Sequence[torch.Tensor],
+        outer_state: Callable[[], Sequence[torch.Tensor]] = tuple,
         *,
         votes: bool,
         tolerance: float,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.dht, self.run_id, self.public_key, self.shared = dht, run_id, public_key, tuple(shared)
+        self.outer_state = outer_state  # read at each round's end: a state download replaces these tensors
         self.votes, self.tolerance, self.clock = votes, tolerance, clock
         self.peer_id = dht.peer_id.to_bytes()
         self._history: deque = deque(maxlen=FINGERPRINT_HISTORY)
@@ -156,7 +161,7 @@ class RoundAgreement:
     def round_ended(self, epoch: int, state_replaced: bool) -> None:
         """The round that ended at ``epoch`` is over: fingerprint it, and publish unless this peer's state was
         replaced during it (then it only follows the others' vote)."""
-        own, ended = fingerprint(self.shared), get_dht_time()
+        own, ended = fingerprint([*self.shared, *self.outer_state()]), get_dht_time()
         self._pending = (epoch, own, self.clock(), ended)
         if not self.votes or state_replaced:
             return
@@ -165,7 +170,11 @@ class RoundAgreement:
         publish_fingerprints(self.dht, self.run_id, self.public_key, record)
 
     def due(self) -> bool:
-        return self._pending is not None and self.clock() - self._pending[2] >= SETTLE_SECONDS
+        return self._pending is not None and self.seconds_until_due() <= 0
+
+    def seconds_until_due(self) -> float:
+        """Seconds until the pending round's check may read the others' fingerprints (0 when nothing is pending)."""
+        return max(0.0, SETTLE_SECONDS - (self.clock() - self._pending[2])) if self._pending is not None else 0.0
 
     def pending(self) -> bool:
         return self._pending is not None
