@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -20,7 +20,7 @@ from peer.swarm.config import SYNC_MODES, CollaborationArguments
 from peer.swarm.errors import NetworkSetupError
 from peer.swarm.hivemind_seam import LeanHiveOptimizer, read_consensus_epoch
 from peer.swarm.keys import gradient_prefix_of_mode, progress_key
-from peer.swarm.records import read_averager_declarations, read_progress, read_state_sharing
+from peer.swarm.records import PeerProgress, read_averager_declarations, read_progress, read_state_sharing
 
 logger = logging.getLogger(__name__)
 
@@ -134,13 +134,11 @@ def download_state(optimizer: LeanHiveOptimizer, attempts: int, pause: float = 2
 # ---------------------------------------------------------------------------------------- final barrier
 
 
-def _fresh_progress(dht: hivemind.DHT, run_id: str, stale_after: float) -> Dict[bytes, Tuple[int, bool]]:
+def _fresh_progress(records: List[PeerProgress], stale_after: float) -> Dict[bytes, Tuple[int, bool]]:
     """peer_id -> (epoch, client_mode) of peers whose training progress was reported recently."""
     now = get_dht_time()
     return {
-        record.peer_id: (record.epoch, record.client_mode)
-        for record in read_progress(dht, run_id)
-        if now - record.time <= stale_after
+        record.peer_id: (record.epoch, record.client_mode) for record in records if now - record.time <= stale_after
     }
 
 
@@ -195,10 +193,11 @@ def final_barrier(
         return time.monotonic() > deadline or stop.is_set()
 
     def others_now():
-        progress = {p: v for p, v in _fresh_progress(dht, run_id, stale_after).items() if p != own_id}
+        records = read_progress(dht, run_id)
+        progress = {p: v for p, v in _fresh_progress(records, stale_after).items() if p != own_id}
         # an aux peer shares its state at the epoch it last downloaded, takes no final parameters and publishes no
         # progress (hivemind reports none for auxiliary peers): the barrier is among the peers that report progress
-        trainers = {record.peer_id for record in read_progress(dht, run_id)}
+        trainers = {record.peer_id for record in records}
         priorities = {p: v for p, v in read_state_sharing(dht, run_id).items() if p != own_id and p in trainers}
         return progress, priorities
 
