@@ -102,6 +102,7 @@ def _reference_lamb_step(param, grad, state, *, lr, betas, eps, weight_decay, cl
     return param - lr * trust * update
 
 
+@pytest.mark.deps
 @pytest.mark.parametrize("quantized", [False, True])
 def test_lamb_matches_reference(quantized):
     torch.manual_seed(0)
@@ -121,6 +122,7 @@ def test_lamb_matches_reference(quantized):
     assert error < (0.05 if quantized else 1e-4), f"relative error {error}"  # fp32 vs a float64 reference
 
 
+@pytest.mark.deps
 def test_lamb_clips_the_global_gradient_norm_and_skips_non_finite():
     a, b = torch.nn.Parameter(torch.ones(10)), torch.nn.Parameter(torch.ones(20))
     opt = CPULamb8Bit([a, b], lr=0.1, betas=(0.5, 0.9), max_grad_norm=1.0, min_8bit_size=10**9)
@@ -137,6 +139,7 @@ def test_lamb_clips_the_global_gradient_norm_and_skips_non_finite():
     assert torch.equal(a, before[0]) and torch.equal(b, before[1])
 
 
+@pytest.mark.deps
 def test_lamb_trust_ratio_is_clamped():
     param = torch.nn.Parameter(torch.full((100,), 5.0))  # norm 50, clamped to 2
     opt = CPULamb8Bit([param], lr=0.1, weight_decay=0.0, clamp_value=2.0, min_8bit_size=10**9)
@@ -146,6 +149,7 @@ def test_lamb_trust_ratio_is_clamped():
     assert float((param.detach() - before).norm()) == pytest.approx(0.1 * 2.0, rel=1e-4)
 
 
+@pytest.mark.deps
 def test_lamb_state_dict_round_trip_keeps_8bit_codes():
     param = torch.nn.Parameter(torch.randn(4096))
     opt = CPULamb8Bit([param], lr=0.01, min_8bit_size=1)
