@@ -1,5 +1,6 @@
 """The documentation's own checks, in a second: links resolve, the README stays short, generated tables are current."""
 
+import json
 import re
 from pathlib import Path
 
@@ -82,3 +83,37 @@ def test_a_generated_table_names_its_command_and_date_and_formats_its_columns():
     assert docs.render_page(out, {"x": run}) == out, "regenerating is idempotent"
     with pytest.raises(KeyError):
         docs.render_page(page, {})
+
+
+def test_every_measured_table_reads_back_from_its_markdown():
+    """What --record stores from a benchmark's printed table renders to that table, and back (no drift)."""
+    for name, run in docs.load_runs().items():
+        for table_name, table in run["tables"].items():
+            assert docs.parse_markdown_tables(docs.table_markdown(table)) == [table], f"{name}.{table_name}"
+        assert docs.run_json(run) == (docs.MEASURED / f"{name}.json").read_text(), f"{name}.json is not as written"
+
+
+def test_record_stores_a_printed_table_and_keeps_the_runs_other_tables(tmp_path):
+    printed = (
+        "command: python -m benchmarks.x\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+        "| mode | samples/s | x bound |\n|---|---|---|\n| solo | 2.80 | — |\n| mode | samples/s | x bound |\n"
+        "| sync | 3.09 | 2.12 |\n"
+    )
+    docs.record(tmp_path, "x.first", printed, 1, "python -m benchmarks.x", "2026-01-02", None)
+    path = docs.record(tmp_path, "x.second", printed, 2, "python -m benchmarks.x", "2026-01-02", "2 cores")
+    run = docs.load_runs(tmp_path)["x"]
+    assert list(run["tables"]) == ["first", "second"] and run["machine"] == "2 cores"
+    second = run["tables"]["second"]
+    assert second["columns"] == [
+        {"name": "mode"},
+        {"name": "samples/s", "format": ".2f"},
+        {"name": "x bound", "format": ".2f"},
+    ]
+    assert second["rows"] == [["solo", 2.8, "—"], ["sync", 3.09, 2.12]], "the repeated header row is dropped"
+    assert docs.table_markdown(second) in printed.replace("| mode | samples/s | x bound |\n| sync", "| sync")
+    docs.record(tmp_path, "x.first", printed, 1, "python -m benchmarks.x --new", "2026-02-03", None)
+    assert list(json.loads(path.read_text())["tables"]) == ["first"], "a new run does not keep the old run's tables"
+    with pytest.raises(ValueError):
+        docs.record(tmp_path, "x.third", printed, 3, "python -m benchmarks.x", "2026-01-02", None)
+    with pytest.raises(ValueError):
+        docs.record(tmp_path, "x", printed, 1, "python -m benchmarks.x", "2026-01-02", None)
