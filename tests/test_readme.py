@@ -1,4 +1,4 @@
-"""Every shell command in README.md is run here, so the README cannot drift from the code.
+"""Every shell command in README.md and docs/*.md is run here, so the documentation cannot drift from the code.
 
 Each ```bash block is preceded by a marker saying how to run it:
   <!-- readme-test: quickstart -->   run each command with a short duration (see SHORTER) and expect exit 0
@@ -12,6 +12,8 @@ Each ```bash block is preceded by a marker saying how to run it:
                                      no Docker engine here: `docker build` checks the Dockerfile and its build
                                      context, `docker run IMAGE ROLE ARGS` runs docker/entrypoint.sh ROLE ARGS
                                      as a background block, `docker compose -f F up` validates F
+  <!-- readme-test: skip reason="WHY" -->  not run (needs root, or minutes to hours); the reason is required
+The README's blocks run first, then each docs page's in file-name order (blocks that export an address go first).
 Peers are bound to 127.0.0.1 (README's /ip4/0.0.0.0/ becomes /ip4/127.0.0.1/) so no traffic leaves loopback.
 """
 
@@ -41,11 +43,19 @@ IN_TMP = {"bash scripts/demo.sh": lambda tmp_path: ["--workdir", str(tmp_path / 
 NOT_LINKED = {".git", "outputs"}
 DOCKER_RUN_VALUE_OPTIONS = {"-v", "--volume", "-p", "--publish", "-e", "--env", "--gpus", "--name"}
 
-pytestmark = pytest.mark.timeout(900)
+# the README test runs real peers and the demo: minutes, so not in the fast tier (`-m "not slow"`)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+RUN_KINDS = {"quickstart", "run", "setup", "background", "docker"}
 
 
-def readme_blocks():
-    text = (ROOT / "README.md").read_text()
+def documentation_pages() -> list:
+    """README.md, then every page of docs/, in the order their blocks run."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def page_blocks(page: Path):
+    """The page's text and its marked shell blocks: (kind, options, commands)."""
+    text = page.read_text()
     blocks = []
     for match in BLOCK_RE.finditer(text):
         meta = match.group("meta").strip()
@@ -60,12 +70,22 @@ def readme_blocks():
     return text, blocks
 
 
-def test_every_shell_block_in_the_readme_is_covered():
-    text, blocks = readme_blocks()
-    assert len(ANY_BLOCK_RE.findall(text)) == len(blocks), "a shell block in README.md has no readme-test marker"
-    kinds = {kind for kind, _, _ in blocks}
-    assert kinds <= {"quickstart", "run", "setup", "background", "docker"}, kinds
-    first_kind, _, first_commands = blocks[0]
+def readme_blocks():
+    """Every block the test runs: README.md's, then the docs pages' (skipped blocks left out)."""
+    return [block for page in documentation_pages() for block in page_blocks(page)[1] if block[0] != "skip"]
+
+
+def test_every_shell_block_in_the_documentation_is_covered():
+    for page in documentation_pages():
+        text, blocks = page_blocks(page)
+        assert len(ANY_BLOCK_RE.findall(text)) == len(blocks), f"a shell block in {page.name} has no readme-test marker"
+        kinds = {kind for kind, _, _ in blocks}
+        assert kinds <= RUN_KINDS | {"skip"}, (page.name, kinds)
+        assert page.name == "README.md" or "quickstart" not in kinds, f"{page.name}: quickstart is the README's"
+        for kind, options, _ in blocks:
+            assert kind != "skip" or options.get("reason"), f"{page.name}: a skipped block must say why"
+    _, readme = page_blocks(ROOT / "README.md")
+    first_kind, _, first_commands = readme[0]
     assert first_kind == "quickstart" and first_commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
     assert (ROOT / ".ci" / "run").read_text().strip().endswith("bash scripts/test.sh"), (
         ".ci/run must call exactly the README's test command"
@@ -151,7 +171,7 @@ def docker_to_local(command: str, env: dict, tmp_path: Path):
 
 
 def test_readme_commands_run(tmp_path):
-    _, blocks = readme_blocks()
+    blocks = readme_blocks()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "hf-modules")  # where loading an export with remote code copies it
     # commands run in a folder of links to the repository, so the files they write land in tmp_path
@@ -203,9 +223,9 @@ def test_readme_python_example_generates_from_an_export(tmp_path):
     from aux_monitor.export import ExportArguments, export
     from tests.support.model import save_tiny_checkpoint
 
-    text = (ROOT / "README.md").read_text()
-    blocks = PYTHON_BLOCK_RE.findall(text)
-    assert len(blocks) == text.count("```python\n") == 1, "a python block in README.md has no readme-test marker"
+    texts = [page.read_text() for page in documentation_pages()]
+    blocks = [block for text in texts for block in PYTHON_BLOCK_RE.findall(text)]
+    assert len(blocks) == sum(text.count("```python\n") for text in texts) == 1, "a python block has no marker"
     [code] = blocks
     assert len([line for line in code.splitlines() if line.strip()]) == 3
     checkpoint = save_tiny_checkpoint(tmp_path / "checkpoints", epoch=4)
