@@ -1,6 +1,6 @@
-"""The fault matrix of issue 6 as a table: every scenario in tests/support/faults/scenarios.py, real peers.
+"""The fault matrix as a table: every scenario in benchmarks/testbed/faults/scenarios.py, real peers.
 
-Run from the repository root (``tests.support`` is imported as a package from there):
+Run from the repository root (the test-bed ``benchmarks.testbed`` is imported as a package from there):
 
     sudo .venv/bin/python -m benchmarks.faults                 # the whole matrix (needs root for emulated links)
     .venv/bin/python -m benchmarks.faults --only g,h,i         # the fast subset (loopback, no root)
@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.support.faults.scenarios import MATRIX, ScenarioResult
-from tests.support.netem.hosts import netns_unavailable_reason
+from benchmarks.testbed.faults.scenarios import MATRIX, ScenarioResult
+from benchmarks.testbed.netem.hosts import netns_unavailable_reason
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from tests.support.processes import remove_orphaned_shared_memory
+from benchmarks.testbed.processes import remove_orphaned_shared_memory
 
 # One torch thread per process: multi-peer tests run several peers on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
