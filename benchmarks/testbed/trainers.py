@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-import pytest
 import torch
 
 from benchmarks.testbed.faults.injection import FAULT_ENV_PREFIX, PARAMS_DIR_ENV
@@ -22,12 +20,6 @@ from benchmarks.testbed.processes import TINY_MODEL, PeerProcess
 TRAINER_SCRIPT = "run_trainer.py"
 FAULT_TRAINER_MODULE = "benchmarks.testbed.fault_trainer"  # benchmarks/testbed/fault_trainer.py, run with -m
 LOCAL_MODE = ["--sync_mode", "local", "--target_batch_size", "128"]  # about 4 local steps per peer per round of 2
-LOCAL_MODE_EXTRA_ENV = "LEANHIVE_LOCAL_MODE_EXTRA"
-local_mode_extra = pytest.mark.skipif(
-    os.environ.get(LOCAL_MODE_EXTRA_ENV, "") in ("", "0"),
-    reason=f"--sync_mode local variant of a multi-peer test (a minute or two on 2 cores): set {LOCAL_MODE_EXTRA_ENV}=1",
-)
-"""Marks the --sync_mode local variants of multi-peer tests: opt-in, the default suite keeps one local-mode pair."""
 
 
 def tiny_model_config(folder: Path) -> Path:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,10 +33,8 @@ from benchmarks.swarm_lib import (
     wire_bytes_of,
 )
 from benchmarks.testbed.events import EventLog
-from benchmarks.testbed.netem.hosts import netns_skip_marker
 
 REPO = Path(__file__).resolve().parents[2]
-SWARM_BENCH_ENV = "LEANHIVE_SWARM_BENCH"
 
 
 def test_wire_format_and_butterfly_bound():
@@ -155,11 +152,9 @@ def test_saved_parameters_are_evaluated(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(
-    os.environ.get(SWARM_BENCH_ENV) != "1",
-    reason=f"the swarm benchmark on emulated links: set {SWARM_BENCH_ENV}=1 to run it (as root)",
-)
-@netns_skip_marker()
+@pytest.mark.slow
+@pytest.mark.swarm_bench
+@pytest.mark.netns
 def test_quick_matrix_reports_sane_figures(tmp_path):
     rows_path, plot_path = tmp_path / "rows.json", tmp_path / "swarm.png"
     result = subprocess.run(

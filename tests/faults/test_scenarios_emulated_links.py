@@ -10,23 +10,11 @@ tests/test_faults_units.py) always runs.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from benchmarks.testbed.faults import scenarios
-from benchmarks.testbed.netem.hosts import netns_skip_marker
 
-FULL_FAULTS_ENV = "LEANHIVE_FULL_FAULTS"
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        os.environ.get(FULL_FAULTS_ENV, "") in ("", "0"),
-        reason=f"slow fault scenarios over emulated links: set {FULL_FAULTS_ENV}=1 to run them",
-    ),
-    netns_skip_marker(),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.netns]
 
 
 def _explain(result) -> str:

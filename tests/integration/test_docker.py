@@ -181,7 +181,6 @@ def test_healthcheck_tells_the_aux_role_from_the_running_peer(monkeypatch):
 
 
 # ------------------------------------------------------------------ end to end, with a real Docker engine
-DOCKER_ENV = "LEANHIVE_DOCKER"
 JOIN_RE = re.compile(r"--initial_peers (/\S+)")
 
 
@@ -190,8 +189,6 @@ def engine(tmp_path_factory):
     """A running Docker engine and a DockerResources whose containers, images and volumes are removed after."""
     from tests.support import docker as d
 
-    if os.environ.get(DOCKER_ENV, "") in ("", "0"):
-        pytest.skip(f"builds and runs the image in a real Docker engine (~15 min): set {DOCKER_ENV}=1 to run it")
     problem = d.engine_problem()
     if problem:
         pytest.skip(f"Docker cannot run here: {problem}")
@@ -260,6 +257,7 @@ def _wait_healthy(container: str, timeout: float = 180) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.docker
 @pytest.mark.timeout(1800)
 def test_containers_train_stop_cleanly_and_rejoin_with_the_same_identity(engine, images):
     from benchmarks.testbed.aux import free_port
@@ -402,6 +400,7 @@ def _prometheus_value(url: str, expr: str):
 
 
 @pytest.mark.slow
+@pytest.mark.docker
 @pytest.mark.timeout(1200)
 def test_compose_swarm_trains_and_prometheus_scrapes_the_aux_peer(engine, images, tmp_path):
     from benchmarks.testbed.aux import http_get, wait_for

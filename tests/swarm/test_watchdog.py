@@ -12,9 +12,9 @@ import uuid
 import pytest
 
 from benchmarks.testbed.netem.dht_agent import DHTAgent, close_agents
-from benchmarks.testbed.netem.hosts import Testbed, netns_skip_marker
+from benchmarks.testbed.netem.hosts import Testbed
 
-pytestmark = [pytest.mark.timeout(120), netns_skip_marker()]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.netns]
 
 PORT = 40000
 

@@ -15,20 +15,13 @@ import uuid
 import pytest
 
 from benchmarks.testbed.netem.dht_agent import DHTAgent, close_agents
-from benchmarks.testbed.netem.hosts import REPO_ROOT, Testbed, cleanup_stale, list_namespaces, netns_unavailable_reason
+from benchmarks.testbed.netem.hosts import REPO_ROOT, Testbed, cleanup_stale, list_namespaces
 from benchmarks.testbed.netem.proxy import ProxySettings
 from benchmarks.testbed.netem.tools import EchoClient, measure_throughput, start_echo_server
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.netns]
 
 ECHO_PORT = 40000
-
-
-@pytest.fixture(scope="module", autouse=True)
-def require_netns():
-    reason = netns_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
 
 
 def _ours(prefix):

@@ -70,7 +70,7 @@ def _equal_after_every_round(tmp_path, epochs: int) -> set:
 
 
 @pytest.mark.timeout(360)
-@trainers.local_mode_extra
+@pytest.mark.local_mode
 @pytest.mark.parametrize("variant", ["trainer", "client", "assist"])
 def test_an_aux_peer_checkpoints_the_shared_state(tmp_path, swarm, variant):
     """An aux peer in local mode checkpoints the shared state: every checkpoint at an epoch both trainers finished

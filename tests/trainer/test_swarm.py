@@ -21,7 +21,6 @@ from benchmarks.testbed.trainers import (
     epoch_losses,
     final_epoch,
     final_params,
-    local_mode_extra,
     max_param_difference,
     start_trainer,
     wait_for_epoch,
@@ -153,7 +152,7 @@ def test_sigkilled_peer_leaves_nothing_and_others_go_on(tmp_path, swarm):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["sync", pytest.param("local", marks=local_mode_extra)])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("local", marks=pytest.mark.local_mode)])
 def test_nan_gradients_and_parameters_are_survived(tmp_path, swarm, mode):
     """NaN gradients are skipped and counted; NaN parameters are restored; every peer stays finite and both end at
     the final epoch with the same parameters (in local mode: the shared ones, after the last round)."""

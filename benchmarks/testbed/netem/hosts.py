@@ -104,14 +104,6 @@ def netns_unavailable_reason() -> Optional[str]:
     return None
 
 
-def netns_skip_marker():
-    """``pytestmark`` entry that skips a test module where network namespaces are unavailable."""
-    import pytest
-
-    reason = netns_unavailable_reason()
-    return pytest.mark.skipif(reason is not None, reason=reason or "")
-
-
 def tbf_args(mbit: float) -> List[str]:
     """tbf parameters for a rate: ~5 ms of burst (at least a few MTUs), ~50 ms of queue."""
     rate_bytes = mbit * 1e6 / 8
