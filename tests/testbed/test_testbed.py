@@ -121,3 +121,13 @@ def test_shared_memory_files_of_processes_that_are_gone_are_removed(tmp_path):
     assert remove_orphaned_shared_memory(since=started, folder=tmp_path) == 1
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted([f"torch_{alive}_123_4", "torch_shm_manager_socket", "other_file", old.name])
+
+
+def test_fault_scenarios_have_unique_letters_and_descriptive_names():
+    """``python -m benchmarks.faults --only`` selects scenarios by letter (``w,x,y``) or by name."""
+    from benchmarks.testbed.faults.scenarios import MATRIX
+
+    letters = [letter for scenario in MATRIX for letter in scenario.keys]
+    names = [scenario.name for scenario in MATRIX]
+    assert len(set(letters)) == len(letters) and len(set(names)) == len(names)
+    assert all(len(name) > 3 and name.isidentifier() and name not in letters for name in names)

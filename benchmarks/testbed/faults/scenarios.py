@@ -1,5 +1,5 @@
-"""The fault matrix of issue 6. Each scenario runs real peers, measures, and returns a ``ScenarioResult``;
-it asserts nothing (tests assert the bounds, ``benchmarks/faults.py`` prints the table).
+"""The fault matrix: crashes, partitions, bad files and hostile peers. Each scenario runs real peers, measures, and
+returns a ``ScenarioResult``; it asserts nothing (tests assert the bounds, ``benchmarks/faults.py`` prints the table).
 
 Columns: survived (the swarm kept training and every check of the scenario held), epochs lost (global
 epochs of progress the swarm had to redo because of the fault), time to recover (seconds from the fault
@@ -1231,7 +1231,9 @@ def join_mid_round_local(folder: Path, *, epochs: int = 12) -> ScenarioResult:
 @dataclass(frozen=True)
 class Scenario:
     keys: str
-    """The issue's letters this entry produces results for (d and e share one swarm)."""
+    """The letters (short ids) of the results this entry produces (d and e share one swarm), e.g. for ``--only``."""
+    name: str
+    """What it does, e.g. ``kill_during_allreduce``; ``--only`` takes it as well as the letters."""
     run: Any
     """folder -> ScenarioResult or list of them."""
     fast: bool
@@ -1241,21 +1243,31 @@ class Scenario:
 
 
 MATRIX = [
-    Scenario("a", baseline_over_internet, fast=False, needs_netns=True),
-    Scenario("b", kill_during_allreduce, fast=False, needs_netns=True),
-    Scenario("c", partition_and_heal, fast=False, needs_netns=True),
-    Scenario("de", aux_restart_and_trainer_replacement, fast=False, needs_netns=True),
-    Scenario("f", poisoned_gradients, fast=False, needs_netns=True),
-    Scenario("g", bad_dht_records, fast=True, needs_netns=False),
-    Scenario("h", authorization, fast=True, needs_netns=False),
-    Scenario("i", corrupt_files, fast=True, needs_netns=False),
-    Scenario("s", hostile_state.hostile_states, fast=False, needs_netns=False),
-    Scenario("t", hostile_state.hostile_averaging, fast=False, needs_netns=False),
-    Scenario("pq", hostile_records.hostile_records, fast=False, needs_netns=False),
-    Scenario("u", slow_link.slow_link_state_download, fast=False, needs_netns=True),
-    Scenario("v", broken_peer.dead_p2pd, fast=False, needs_netns=False),
-    # --sync_mode local (issue 13): b and c in that mode, and a join in the middle of a round
-    Scenario("w", partial(kill_during_allreduce, sync_mode="local"), fast=False, needs_netns=True),
-    Scenario("x", partial(partition_and_heal, sync_mode="local"), fast=False, needs_netns=True),
-    Scenario("y", join_mid_round_local, fast=False, needs_netns=False),
+    Scenario("a", "internet_baseline", baseline_over_internet, fast=False, needs_netns=True),
+    Scenario("b", "kill_during_allreduce", kill_during_allreduce, fast=False, needs_netns=True),
+    Scenario("c", "partition_and_heal", partition_and_heal, fast=False, needs_netns=True),
+    Scenario(
+        "de", "aux_restart_and_trainer_replacement", aux_restart_and_trainer_replacement, fast=False, needs_netns=True
+    ),
+    Scenario("f", "poisoned_gradients", poisoned_gradients, fast=False, needs_netns=True),
+    Scenario("g", "bad_dht_records", bad_dht_records, fast=True, needs_netns=False),
+    Scenario("h", "authorization", authorization, fast=True, needs_netns=False),
+    Scenario("i", "corrupt_files", corrupt_files, fast=True, needs_netns=False),
+    Scenario("s", "hostile_state_servers", hostile_state.hostile_states, fast=False, needs_netns=False),
+    Scenario("t", "hostile_averaging", hostile_state.hostile_averaging, fast=False, needs_netns=False),
+    Scenario("pq", "hostile_records", hostile_records.hostile_records, fast=False, needs_netns=False),
+    Scenario("u", "slow_link_state_download", slow_link.slow_link_state_download, fast=False, needs_netns=True),
+    Scenario("v", "dead_p2pd", broken_peer.dead_p2pd, fast=False, needs_netns=False),
+    # --sync_mode local: b and c in that mode, and a join in the middle of a round
+    Scenario(
+        "w",
+        "kill_during_allreduce_local",
+        partial(kill_during_allreduce, sync_mode="local"),
+        fast=False,
+        needs_netns=True,
+    ),
+    Scenario(
+        "x", "partition_and_heal_local", partial(partition_and_heal, sync_mode="local"), fast=False, needs_netns=True
+    ),
+    Scenario("y", "join_mid_round_local", join_mid_round_local, fast=False, needs_netns=False),
 ]
