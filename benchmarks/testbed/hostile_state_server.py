@@ -3,7 +3,7 @@ trainer, corrupts it and offers it to joining peers with a huge state-sharing pr
 
     python -m benchmarks.testbed.hostile_state_server --initial_peers ... --run_id RUN --mode huge_epoch --ready FILE
 
-Modes (the broken states of issue 11, item 3):
+Modes (the broken states):
 - ``huge_epoch``: the state claims epoch 10**12.
 - ``wrong_shape``: the first parameter is a 1-element tensor (hivemind's copy_ broadcast it into a constant).
 - ``foreign_hparams``: every float hyper-parameter of the optimizer is multiplied by 100 (lr, betas, eps...).

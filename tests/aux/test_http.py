@@ -1,4 +1,4 @@
-"""Issue 11, item 6: idle, slow or numerous HTTP clients cannot exhaust the aux peer's dashboard/metrics server."""
+"""Idle, slow or numerous HTTP clients cannot exhaust the aux peer's dashboard/metrics server."""
 
 from __future__ import annotations
 

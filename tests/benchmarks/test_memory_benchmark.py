@@ -1,4 +1,5 @@
-"""The memory benchmark: its accountants on cases with known sizes, and a smoke run of the CLI.
+"""The memory benchmark: its accountants on cases with known sizes, and smoke runs of its CLI, the ablation report
+and the generation benchmark.
 
 No performance assertions: the benchmark measures, these tests check that what it counts is right
 and that one command produces the table, the JSON rows and the chart.

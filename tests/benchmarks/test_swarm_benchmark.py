@@ -1,13 +1,12 @@
-"""The collaboration-efficiency benchmark (issues 12 and 13): its byte accounting on known sizes, the equal-samples
+"""The collaboration-efficiency benchmark (benchmarks/swarm.py): its byte accounting on known sizes, the equal-samples
 rule (round sizes, scaled schedules, one measured window for every row), and ``--quick`` end to end with real peers
 on emulated links (solo and sync on broadband, the tiny model). No timing assertions: the figures must be present
 and sane, whatever this machine's speed.
 
-The end-to-end test is opt-in, like the other suites on emulated links (tests/test_faults_swarm.py):
-``LEANHIVE_SWARM_BENCH=1 python -m pytest tests/test_swarm_benchmark.py`` (one to two minutes, as root). Its
-epochs last seconds: with sub-second epochs the peers' start-up skew on a loaded machine once let one peer end the
-first epochs alone and the other chase it to max_epochs and leave, so they never averaged. A row now also counts
-such epochs (``epochs_alone``), and the test requires none in the measured window."""
+The end-to-end test is opt-in, like the other suites on emulated links: ``python -m pytest -m swarm_bench`` (one to
+two minutes, as root). Its epochs last seconds: with sub-second epochs the peers' start-up skew on a loaded machine
+could let one peer end the first epochs alone and the other chase it to max_epochs and leave, so they never
+averaged. A row also counts such epochs (``epochs_alone``), and the test requires none in the measured window."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Issue 11, item 7: bugs an honest peer hits on its own (device count, full disk, symlinks, Hub race, dead p2pd)."""
+"""What an honest peer meets on its own, without an attacker: a multi-GPU host (samples counted once), a full disk
+while checkpointing or backing up, symlinks in the checkpoint folder, a Hub upload racing the stop, a dead p2pd, a
+swarm with nobody else yet (no vote for a fresh epoch), a client's epochs."""
 
 from __future__ import annotations
 

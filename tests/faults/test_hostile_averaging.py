@@ -1,4 +1,4 @@
-"""Hostile or broken peers in the gradient all-reduce (issue 11, item 4): a peer that claims an inf sample weight,
+"""Hostile or broken peers in the gradient all-reduce: a peer that claims an inf sample weight,
 one that sends -1e3 x its gradient in a two-peer round, one that sends parts of the wrong shape.
 
 The multi-peer tests run one honest trainer and one rogue trainer (``benchmarks/testbed/fault_trainer.py`` with a

@@ -1,4 +1,4 @@
-"""A peer whose records are properly signed but hostile (issue 11, items 1, 2 and 5), with real processes.
+"""A peer whose records are properly signed but hostile (progress, metrics, squatted keys), with real processes.
 
 An aux peer and two trainers train on the tiny preset; then a rogue process (benchmarks/testbed/rogue_records.py) keeps
 writing signed progress records with ``epoch=10**12``, ``samples_per_second=1e300`` and a ``time`` a week ahead,

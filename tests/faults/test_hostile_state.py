@@ -1,4 +1,5 @@
-"""State downloads from hostile peers (issue 11, item 3) and the final barrier's priority (item 7).
+"""State downloads from hostile peers, the final barrier's priority, and a download timeout that follows the state's
+size.
 
 Real peers on 127.0.0.1: an honest trainer, a hostile state server (benchmarks/testbed/hostile_state_server.py) that
 serves a broken copy of the honest state with priority 1e9, and a joining trainer that must take the honest state.

@@ -1,10 +1,10 @@
-"""The slow part of the fault matrix (issue 6): trainers and aux peers over emulated internet links
-(20 Mbit/s, 100 ms RTT; benchmarks/testbed/netem), each scenario with its bound.
+"""The fault scenarios over emulated internet links (20 Mbit/s, 100 ms RTT; benchmarks/testbed/netem): trainers and
+aux peers through a SIGKILL in an all-reduce, a partition, an aux restart, a swarm replaced, poisoned gradients, and
+the --sync_mode local variants; each scenario with its bound.
 
-Opt-in: ``LEANHIVE_FULL_FAULTS=1 python -m pytest tests/test_faults_swarm.py`` (about 15 minutes on a 2-core
-machine, plus about 3 for the --sync_mode local scenarios w, x, y; needs root and iproute2 for network
-namespaces). The default run skips them; the fast subset (tests/test_faults_fast.py, tests/test_faults_watchdog.py,
-tests/test_faults_units.py) always runs.
+Opt-in: ``python -m pytest -m faults`` (about 15 minutes on a 2-core machine, plus about 3 for the --sync_mode local
+scenarios w, x, y; needs root and iproute2 for network namespaces). The default run leaves them out; the loopback
+scenarios (test_scenarios_loopback.py), the watchdog and the robustness units always run.
 ``python -m benchmarks.faults`` runs the same scenarios and prints the results table.
 """
 
@@ -75,7 +75,7 @@ def test_f_nan_and_huge_gradients_keep_parameters_finite_and_loss_falling(tmp_pa
     assert result.survived and not result.data_lost, _explain(result)
 
 
-# --sync_mode local (issue 13): b and c in that mode, and a third trainer joining in the middle of a round
+# --sync_mode local: b and c in that mode, and a third trainer joining in the middle of a round
 
 
 @pytest.mark.timeout(600)

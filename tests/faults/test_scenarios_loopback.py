@@ -1,4 +1,4 @@
-"""The fast subset of the fault matrix (issue 6): bad DHT records (g), authorization (h), damaged checkpoint and
+"""The fault scenarios that run on loopback: bad DHT records (g), authorization (h), damaged checkpoint and
 backup files (i). Real hivemind peers on 127.0.0.1; no root needed; about 1-2 minutes in all.
 
 The scenarios live in benchmarks/testbed/faults/scenarios.py; ``python -m benchmarks.faults`` prints them as a table.

@@ -1,6 +1,6 @@
 """The Docker image, entry point and compose file.
 
-The default run checks them without a Docker engine. ``LEANHIVE_DOCKER=1`` adds the end-to-end test: a real engine
+The default run checks them without a Docker engine. ``-m docker`` runs the end-to-end tests: a real engine
 (started here if needed, as root), the image built from a local Debian base and a wheelhouse, an aux peer and two
 trainers in containers, a clean stop and a restart, and the compose swarm with Prometheus (about 15 minutes on a
 2-core machine, most of it the build; it removes every container, image and volume it made).

@@ -1,7 +1,7 @@
 """peer.swarm.watchdog.DHTWatchdog: real hivemind DHT peers in network namespaces re-join after a partition on their
-own (without it they stay apart for good: see tests/test_netem_harness.py, which re-joins by hand).
+own (without it they stay apart for good: see tests/testbed/test_netem.py, which re-joins by hand).
 
-Needs root and iproute2; skipped otherwise. Part of the fast subset (about 30 s).
+Needs root and iproute2; skipped otherwise. About 30 s.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The test support package itself: reading peers' event files, choosing the trainer's entry point, and keeping the
-fault hooks out of production code. In-process; seconds."""
+"""The test-bed package itself (benchmarks/testbed): reading peers' event files, choosing the trainer's entry point,
+keeping the fault hooks out of production code, shared-memory cleanup, the fault scenarios' ids. In-process;
+seconds."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """--sync_mode local with real trainer peers (separate processes on 127.0.0.1, tiny preset): two peers take local
 steps, average pseudo-gradients every round and end every round with identical shared parameters; a peer of the
 other mode that tries to join stops with an error that says how to fix it, and the pair trains on. Opt-in
-(``LEANHIVE_LOCAL_MODE_EXTRA=1``): an aux peer's checkpoints hold the shared state, with a client-mode joiner or an
-assisting aux peer too."""
+(``-m local_mode``): an aux peer's checkpoints hold the shared state, with a client-mode joiner or an assisting aux
+peer too."""
 
 from __future__ import annotations
 

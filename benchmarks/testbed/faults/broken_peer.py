@@ -1,9 +1,9 @@
-"""Fault scenario "v" of issue 11 (item 7), loopback only (127.0.0.1, no root): a trainer's ``p2pd`` daemon dies.
+"""Fault scenario "v" (``dead_p2pd``), loopback only (127.0.0.1, no root): a trainer's ``p2pd`` daemon dies.
 
 hivemind does not notice a dead daemon: the trainer trained alone forever and the Docker healthcheck said healthy.
 Now the trainer reports ``swarm_lost`` and exits with status 1; a restart policy (here: the scenario) starts it
 again from its output folder, and it must be back in the swarm at the swarm's epoch without the other trainer
-losing anything. ``tests/test_honest_peer_bugs.py`` checks the exit itself in the default suite.
+losing anything. ``tests/faults/test_honest_peer_failures.py`` checks the exit itself in the default suite.
 """
 
 from __future__ import annotations

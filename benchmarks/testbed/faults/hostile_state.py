@@ -1,11 +1,13 @@
-"""Fault scenarios of issue 11 with hostile peers that hold valid credentials, loopback only (127.0.0.1, no root):
+"""Fault scenarios with hostile peers that hold valid credentials, loopback only (127.0.0.1, no root):
 
-- "s" (item 3): a hostile state server (benchmarks/testbed/hostile_state_server.py, a real hivemind peer) offers a
-  broken state with a huge state-sharing priority while an honest trainer offers the real one; a joining trainer
-  must skip the broken state and take the honest one. ``tests/test_hostile_state.py`` runs two modes by default.
-- "t" (item 4): an honest trainer averages gradients with a rogue trainer (benchmarks/testbed/fault_trainer.py) that
-  claims an inf sample weight, sends -1e3 x its gradient, or sends parts of the wrong shape; averaging must go on
-  and the honest update must never be reversed. ``tests/test_hostile_averaging.py`` runs the same cases.
+- "s" (``hostile_state_servers``): a hostile state server (benchmarks/testbed/hostile_state_server.py, a real
+  hivemind peer) offers a broken state with a huge state-sharing priority while an honest trainer offers the real
+  one; a joining trainer must skip the broken state and take the honest one. ``tests/faults/test_hostile_state.py``
+  runs two modes by default.
+- "t" (``hostile_averaging``): an honest trainer averages gradients with a rogue trainer
+  (benchmarks/testbed/fault_trainer.py) that claims an inf sample weight, sends -1e3 x its gradient, or sends parts
+  of the wrong shape; averaging must go on and the honest update must never be reversed.
+  ``tests/faults/test_hostile_averaging.py`` runs the same cases.
 
 Both are registered in ``benchmarks.testbed.faults.scenarios.MATRIX``.
 """
@@ -196,7 +198,7 @@ def rounds_with_rogue(folder: Path, run_id: str, rogue_env: Dict[str, str], epoc
 
 
 def averaging_checks(case: str, rounds: list, log: str) -> Dict[str, bool]:
-    """The bounds each rogue must respect (the same as tests/test_hostile_averaging.py asserts)."""
+    """The bounds each rogue must respect (the same as tests/faults/test_hostile_averaging.py asserts)."""
     done = [r for r in rounds if r["ok"]]
     checks = {"at least two rounds averaged": len(done) >= 2, "all results finite": all(r["finite"] for r in done)}
     if case == "inf_weight":

@@ -1,4 +1,4 @@
-"""u. (issue 11, items 3 and 8) A joiner downloads a ``small``-preset state (~124M parameters in fp32 plus 8-bit
+"""u. (``slow_link_state_download``) A joiner downloads a ``small``-preset state (~124M parameters in fp32 plus 8-bit
 LAMB statistics) over a 20 Mbit/s, 100 ms RTT link with the default ``load_state_timeout``: the state's size must
 not make the download time out, and the joiner must train on from the swarm's state, not from its own.
 
