@@ -247,6 +247,7 @@ def _load_healthcheck():
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_trainer_whose_p2pd_dies_reports_it_and_exits_with_status_1(tmp_path):
     """hivemind does not notice a dead p2pd: the trainer would train alone forever and still look healthy."""

@@ -67,6 +67,7 @@ def _rounds_with_rogue(tmp_path, run_id: str, rogue_env: dict):
     return hostile_state.rounds_with_rogue(tmp_path, run_id, rogue_env)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_inf_weight_does_not_switch_averaging_off(tmp_path):
     rounds, log = _rounds_with_rogue(tmp_path, "inf_weight", {SEND_WEIGHT_ENV: "inf"})
@@ -79,6 +80,7 @@ def test_inf_weight_does_not_switch_averaging_off(tmp_path):
     assert "bounded 1 of 2 sample weights" in log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_peer_sign_flip_cannot_reverse_the_update(tmp_path):
     rounds, log = _rounds_with_rogue(tmp_path, "sign_flip", {SEND_GRAD_SCALE_ENV: "-1000"})
@@ -89,6 +91,7 @@ def test_two_peer_sign_flip_cannot_reverse_the_update(tmp_path):
     assert "two-peer round" in log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_part_of_the_wrong_shape_does_not_break_the_round(tmp_path):
     rounds, log = _rounds_with_rogue(tmp_path, "bad_shape", {SEND_BAD_SHAPE_ENV: "1"})

@@ -14,6 +14,7 @@ from benchmarks.testbed.faults import hostile_state
 from peer.swarm.joining import _final_priority
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", hostile_state.FAST_MODES)
 @pytest.mark.timeout(600)
 def test_a_joiner_skips_a_broken_state_and_loads_the_honest_one(tmp_path, mode):

@@ -15,6 +15,7 @@ def _explain(result) -> str:
     return f"{result.scenario}: {result.details}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_g_bad_dht_records_are_refused(tmp_path):
     result = scenarios.bad_dht_records(tmp_path)
@@ -26,6 +27,7 @@ def test_g_bad_dht_records_are_refused(tmp_path):
     assert result.survived and not result.data_lost
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_h_peer_without_credentials_can_neither_store_metrics_nor_join_averaging(tmp_path):
     result = scenarios.authorization(tmp_path)
@@ -39,6 +41,7 @@ def test_h_peer_without_credentials_can_neither_store_metrics_nor_join_averaging
     assert result.survived, _explain(result)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_i_damaged_checkpoints_and_backups_are_reported_and_the_last_good_one_used(tmp_path):
     result = scenarios.corrupt_files(tmp_path)

@@ -28,7 +28,7 @@ DEPENDENCIES = ("torch", "hivemind", "transformers", "yaml")
 LICENSE_WARNING = "`project.license` as a TOML table is deprecated"
 
 # Measured at about 30 s on a 2-core machine (one wheel build, four interpreters that import torch).
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # builds a wheel and a venv
 
 
 def run(command, *, cwd: Path, env=None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -151,6 +151,7 @@ def docker_to_local(command: str, env: dict, tmp_path: Path):
     return ["bash", str(ROOT / "docker" / "entrypoint.sh"), *role_args], docker_env
 
 
+@pytest.mark.slow
 def test_readme_commands_run(tmp_path):
     _, blocks = readme_blocks()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -199,6 +200,7 @@ def test_readme_commands_run(tmp_path):
             assert code == 0, peer.output()[-3000:]
 
 
+@pytest.mark.slow
 def test_readme_python_example_generates_from_an_export(tmp_path):
     """The README's generation example, run as written against a folder exported from a real checkpoint."""
     from aux_monitor.export import ExportArguments, export

@@ -14,7 +14,7 @@ import pytest
 from benchmarks.testbed.netem.dht_agent import DHTAgent, close_agents
 from benchmarks.testbed.netem.hosts import Testbed
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.netns]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.netns, pytest.mark.slow]
 
 PORT = 40000
 
