@@ -89,6 +89,7 @@ OPTIM = OptimizerArguments(learning_rate=1e-2, warmup_steps=0, total_steps=100, 
 BATCH = 8
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging():
     share_tensors_by_file_descriptor()

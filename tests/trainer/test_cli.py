@@ -154,6 +154,7 @@ def test_unreachable_initial_peers_give_a_clear_error(tmp_path):
     assert not peer.wait_until_gone(timeout=10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [1.0, 3.0])
 def test_sigterm_while_joining_exits_promptly(delay, tmp_path):
     """A signal that lands inside hivemind.Optimizer's constructor must not leave the process hanging at exit."""
