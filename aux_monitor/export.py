@@ -8,7 +8,8 @@ The folder holds the weights (``model.safetensors``), ``config.json`` with ``aut
 flat copy of the ``model/`` modules it needs, with imports made relative), the tokenizer, ``generation_config.json``,
 ``leanhive_run.json`` (the run's facts) and a model card (``README.md``). It imports nothing from LeanHive: with
 torch and transformers installed, ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads it.
-The folder is written under a temporary name and renamed into place when complete.
+The folder is written under a temporary name and renamed into place when complete, with the permissions a plain
+``mkdir``/``open`` would give under the umask, so that other users, a web server or a container can read it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 ENTRY_MODULE = "model.modeling"
 EXPORTED_PREFIX = "leanhive_"  # model.ops.attention -> leanhive_ops_attention.py
 FACTS_FILE = "leanhive_run.json"
+# The transformers versions the generation and export tests pass with: the oldest pyproject.toml allows
+# (`bash scripts/test.sh --oldest`) and the one requirements.lock pins; tests/test_export.py keeps them in step.
+TESTED_TRANSFORMERS = ("4.56", "5.24.0")
 _MODEL_IMPORT = re.compile(r"^(\s*)from model\.([\w.]+) import", re.MULTILINE)
 # the reversible stack's training path needs revlib; generation (KV cache) and every other stack do not
 _REVLIB_IMPORT = "from revlib.core import ReversibleModule, replace_grad\n"
@@ -220,6 +224,15 @@ def exported_name(module: str) -> str:
     return EXPORTED_PREFIX + module.split(".", 1)[1].replace(".", "_")
 
 
+# In the exported entry module: transformers before 5.x copies into its module cache only the files a local folder's
+# entry module imports itself (not what those import in turn), and then fails to find the rest.
+_DIRECT_IMPORTS_NOTE = """
+
+# Every modeling file of this folder, imported by the entry module itself: transformers before 5.x copies only the
+# files the entry module imports into its module cache when it loads a local folder.
+"""
+
+
 def modeling_sources(entry: str = ENTRY_MODULE) -> Dict[str, str]:
     """{file name: source} of the entry module and every model.* module it needs, imports made relative."""
     pending, sources = [entry], {}
@@ -235,6 +248,12 @@ def modeling_sources(entry: str = ENTRY_MODULE) -> Dict[str, str]:
         if re.search(r"^(from|import) revlib", text, re.MULTILINE):  # a top-level import not made optional above
             raise ExportError(f"{module} imports revlib in a way the export does not make optional; update export.py")
         sources[exported_name(module) + ".py"] = text
+    entry_file = exported_name(entry) + ".py"
+    sources[entry_file] += _DIRECT_IMPORTS_NOTE + "".join(
+        f"from .{name[:-3]} import __name__ as _{name[:-3]}  # noqa: E402,F401\n"
+        for name in sorted(sources)
+        if name != entry_file
+    )
     return sources
 
 
@@ -272,8 +291,8 @@ tags:
 
 A causal language model trained collaboratively by a LeanHive swarm: volunteers' peers synchronized through
 hivemind, each running a memory-lean transformer. This folder is self-contained: the modeling code is included
-(`trust_remote_code=True`), and loading it needs only `torch` and `transformers` (version {_transformers_version()}
-or compatible), not LeanHive.
+(`trust_remote_code=True`), and loading it needs only `torch` and `transformers`, not LeanHive. Tested with
+transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[1]}; exported with {_transformers_version()}.
 
 | run fact | value |
 |---|---|
@@ -306,6 +325,23 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+def _umask() -> int:
+    try:  # Linux reports it without changing it (os.umask would, for a moment, for every thread)
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"^Umask:\s*([0-7]+)", status, re.MULTILINE).group(1), 8)
+    except (OSError, AttributeError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def _give_plain_permissions(folder: Path) -> None:
+    """mkdtemp creates the folder 0700 and safetensors writes 0600: give every entry what mkdir/open would have."""
+    umask = _umask()
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _prepare_output(output: Path) -> Path:
@@ -352,6 +388,7 @@ def write_export(model: LeanGPTForCausalLM, facts: RunFacts, args: ExportArgumen
             (tmp / name).write_text(text)
         (tmp / FACTS_FILE).write_text(json.dumps(facts.__dict__, indent=2, default=str))
         (tmp / "README.md").write_text(model_card(facts, model, args.upload_to_hub or str(output)))
+        _give_plain_permissions(tmp)
         if output.exists():
             output.rmdir()  # checked empty above
         os.rename(tmp, output)

@@ -32,13 +32,9 @@ case "$torch" in
 esac
 mkdir -p "$dest"
 rm -f "$dest"/*.whl
-# The dependencies come from pyproject.toml: pip resolves them for a copy of it alone (so nothing is built in the
-# checkout) and the project's own (empty) wheel is dropped; setuptools is the backend `pip install -e .` needs.
-project="$(mktemp -d)"
-trap 'rm -rf "$project"' EXIT
-cp pyproject.toml README.md "$project"/
-"$python" -m pip wheel -q "${extra[@]}" -w "$dest" "$torch_spec" "$project" "setuptools>=77"
-rm -f "$dest"/leanhive-*.whl
+# The pins the image installs (requirements.lock, the tested set) plus torch's own dependencies (the CUDA build's
+# NVIDIA libraries, pinned by torch); setuptools is the backend `pip install -e .` needs.
+"$python" -m pip wheel -q "${extra[@]}" -w "$dest" "$torch_spec" -r requirements.lock "setuptools>=77"
 torch_wheel="$(basename "$(ls "$dest"/torch-*.whl)")"
 case "$torch:$torch_wheel" in
   cpu:*+cpu*) ;;

@@ -2,6 +2,11 @@
 
 * ``LeanGPTForCausalLM``: causal LM; ``model(input_ids=..., labels=...).loss``; ``generate()`` with a KV cache
   (transformers' ``DynamicCache``, see ``model.inference``).
+
+The cache argument has two names across the transformers versions LeanHive supports: ``past_key_values`` up to
+5.23, ``cache`` from 5.24 on (``generate()`` passes it under that name and reads it back from the output's ``cache``
+field). The forward passes accept both names and return the cache in the field the installed output classes have
+(``CACHE_FIELD``), so ``generate()`` of either generation finds it.
 * ``LeanAlbertForPreTraining``: bidirectional masked LM + sentence-order prediction.
 
 Both round-trip through ``save_pretrained``/``from_pretrained`` and are registered with the Auto
@@ -31,6 +36,20 @@ from model.ops.norm import layer_norm
 from model.ops.projection import ComputeContext
 from model.ops.rotary import rotary_tables, rotary_tables_at
 from model.stack import LayerStack
+
+# The output field generate() reads the cache back from: "cache" from transformers 5.24 on, "past_key_values" before.
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def output_cache(output: ModelOutput) -> Optional[Cache]:
+    """The cache a forward pass returned, whatever the installed transformers calls the field."""
+    return getattr(output, CACHE_FIELD)
+
+
+def _one_cache(cache: Optional[Cache], past_key_values: Optional[Cache]) -> Optional[Cache]:
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("pass the KV cache once, as cache= (transformers >= 5.24) or past_key_values=, not both")
+    return cache if cache is not None else past_key_values
 
 
 @contextlib.contextmanager
@@ -131,15 +150,17 @@ class LeanModel(LeanPreTrainedModel):
         position_ids: Optional[torch.Tensor] = None,
         past_key_values: Optional[Cache] = None,
         use_cache: Optional[bool] = None,
+        cache: Optional[Cache] = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """attention_mask: [batch, seq], 1 for real tokens and 0 for padding (HF convention); with a cache it
         covers the cached tokens too ([batch, past + seq]).
 
         position_ids: [batch, seq] positions of the tokens (default 0..seq-1, or past..past+seq-1 after a cache).
-        past_key_values / use_cache: inference with a KV cache (``generate()`` passes them): only the new tokens
-        are computed, attending to the cached keys and values; the cache is returned, extended.
+        past_key_values (or cache) / use_cache: inference with a KV cache (``generate()`` passes them): only the new
+        tokens are computed, attending to the cached keys and values; the cache is returned, extended.
         """
+        past_key_values = _one_cache(cache, past_key_values)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if past_key_values is not None:
@@ -173,7 +194,7 @@ class LeanModel(LeanPreTrainedModel):
                 )
             hidden = stack_forward_cached(self.stack, hidden, rotary, key_padding_mask, past_key_values)
         hidden = layer_norm(hidden, self.final_norm.weight, self.final_norm.bias, self.config.layer_norm_eps)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_FIELD: past_key_values})
 
     def _check_cache_allowed(self, cache) -> None:
         if not isinstance(cache, Cache):
@@ -233,6 +254,7 @@ class LeanGPTForCausalLM(LeanPreTrainedModel, GenerationMixin):
         past_key_values: Optional[Cache] = None,
         use_cache: Optional[bool] = None,
         logits_to_keep: int = 0,
+        cache: Optional[Cache] = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """labels: [batch, seq] token ids (usually input_ids); position t predicts labels[:, t + 1].
@@ -240,13 +262,13 @@ class LeanGPTForCausalLM(LeanPreTrainedModel, GenerationMixin):
         Labels equal to -100, and labels at padded positions (attention_mask == 0), are ignored.
         Logits are returned when no labels are given or when return_logits=True; logits_to_keep > 0 computes
         them for the last that many positions only (generate() asks for 1).
-        position_ids, past_key_values, use_cache: see LeanModel.forward (inference with a KV cache).
+        position_ids, past_key_values (or cache), use_cache: see LeanModel.forward (inference with a KV cache).
         """
         outputs = self.transformer(
             input_ids,
             attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            past_key_values=_one_cache(cache, past_key_values),
             use_cache=use_cache,
         )
         hidden = outputs.last_hidden_state
@@ -262,7 +284,7 @@ class LeanGPTForCausalLM(LeanPreTrainedModel, GenerationMixin):
             if logits_to_keep > 0:
                 hidden = hidden[:, -logits_to_keep:]
             logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: output_cache(outputs)})
 
 
 @dataclass

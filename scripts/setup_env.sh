@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install LeanHive from pyproject.toml, the one dependency list.
-# Usage: scripts/setup_env.sh [--test]   (--test also installs test extras and system packages)
+# Create .venv (if missing) and install LeanHive with the tested set of dependencies: requirements.lock, or with
+# --test requirements-test.lock (the same runtime pins plus the test and benchmark tools) and the system packages
+# the tests drive. The locks come from pyproject.toml's ranges (`bash scripts/deps.sh lock`).
+# Usage: scripts/setup_env.sh [--test]
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
-extras=""
+lock=requirements.lock
 if [ "${1:-}" = "--test" ]; then
-  extras="[test]"
+  lock=requirements-test.lock
   # System programs the tests drive for real: Prometheus, headless Chromium, iproute2 (netns, tc).
   need=()
   command -v prometheus >/dev/null || need+=(prometheus)
@@ -23,10 +25,13 @@ if [ "${1:-}" = "--test" ]; then
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-# torch first and pinned, so nothing below can pull a different (CUDA) build.
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".${extras}"
-if [ -n "$extras" ] && [ ! -f .venv/compose_spec.json ]; then
+# torch first, at the lock's version, from whichever build pip's sources have (the CPU one where pip is pointed at it,
+# e.g. with --find-links or PIP_EXTRA_INDEX_URL): the lock then finds it installed and pulls no other build.
+.venv/bin/python -m pip install -q "$(grep -m1 '^torch==' "$lock")"
+.venv/bin/python -m pip install -q -r "$lock"
+# LeanHive itself (editable: the checkout is the code); --no-deps: its dependencies are exactly the lock's
+.venv/bin/python -m pip install -q --no-deps -e .
+if [ "$lock" = requirements-test.lock ] && [ ! -f .venv/compose_spec.json ]; then
   # The official Compose JSON schema (as shipped in docker-compose 1.29.2's wheel) for tests/test_docker.py;
   # fetched, not vendored, and never installed (its pins clash with ours).
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .venv/downloads "docker-compose==1.29.2"

@@ -21,6 +21,8 @@ from peer.backup import BACKUP_NAME, save_backup
 from tests.aux.test_parts import FakeHfApi
 from tests.support.model import save_tiny_checkpoint
 
+pytestmark = pytest.mark.deps  # scripts/test.sh --newest/--oldest run these
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FACTS = dict(run_id="export_run", samples_seen=4321, validation_loss=6.5, validation_epoch=9)
 

@@ -8,8 +8,11 @@ import torch
 from transformers import AutoTokenizer, DynamicCache, pipeline
 
 from model import LeanAlbertForPreTraining, LeanGPTForCausalLM, apply_memory_options
+from model.modeling import output_cache
 from peer.swarm.data import shipped_tokenizer_dir
 from tests.support.model import VOCAB, randomize, small_config
+
+pytestmark = pytest.mark.deps  # scripts/test.sh --newest/--oldest run these
 
 TOLERANCE = 1e-10  # float64: the cached path reorders a few sums, nothing more
 
@@ -64,7 +67,7 @@ def _incremental_logits(model, input_ids, mask, splits):
             past_key_values=cache,
             use_cache=True,
         )
-        assert out.past_key_values is cache and cache.get_seq_length() == end
+        assert output_cache(out) is cache and cache.get_seq_length() == end
         pieces.append(out.logits)
         start = end
     return torch.cat(pieces, dim=1)
@@ -138,7 +141,7 @@ def test_training_paths_are_untouched_by_the_cache_arguments():
     model = _model("rotary").train()
     input_ids, mask = _batch(padded=True)
     out = model(input_ids, attention_mask=mask, labels=input_ids)
-    assert out.past_key_values is None and out.logits is None
+    assert output_cache(out) is None and out.logits is None
     out.loss.backward()
     with pytest.raises(ValueError, match="inference only"):
         model(input_ids, use_cache=True)

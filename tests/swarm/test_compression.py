@@ -14,6 +14,8 @@ from hivemind.compression import (
 )
 from packaging.version import Version
 
+pytestmark = pytest.mark.deps  # scripts/test.sh --newest/--oldest run these
+
 
 def test_numpy_version_is_compatible_with_hivemind():
     assert Version(np.__version__) < Version("2.4"), "hivemind 1.1.12 8-bit codecs need numpy<2.4"

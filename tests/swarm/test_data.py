@@ -13,6 +13,8 @@ from transformers import AutoTokenizer
 from peer.swarm import data
 from peer.swarm.data import DataArguments, SequenceLengthSchedule, make_batches
 
+pytestmark = pytest.mark.deps  # scripts/test.sh --newest/--oldest run these
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

@@ -15,6 +15,8 @@ import pytest
 from peer.swarm import hivemind_seam
 from peer.swarm.hivemind_seam import averaging, dht, progress
 
+pytestmark = pytest.mark.deps  # scripts/test.sh --newest/--oldest run these
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
