@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the standard library has no TOML reader yet
     tomllib = pytest.importorskip("tomli")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pyproject() -> dict:
