@@ -1,6 +1,6 @@
-"""The fault matrix of issue 6 as a table: every scenario in tests/support/faults/scenarios.py, real peers.
+"""The fault matrix as a table: every scenario in benchmarks/testbed/faults/scenarios.py, real peers.
 
-Run from the repository root (``tests.support`` is imported as a package from there):
+Run from the repository root (the test-bed ``benchmarks.testbed`` is imported as a package from there):
 
     sudo .venv/bin/python -m benchmarks.faults                 # the whole matrix (needs root for emulated links)
     .venv/bin/python -m benchmarks.faults --only g,h,i         # the fast subset (loopback, no root)
@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.support.faults.scenarios import MATRIX, ScenarioResult
-from tests.support.netem.hosts import netns_unavailable_reason
+from benchmarks.testbed.faults.scenarios import MATRIX, ScenarioResult
+from benchmarks.testbed.netem.hosts import netns_unavailable_reason
 
 
 @contextlib.contextmanager
@@ -48,14 +48,14 @@ def run(only: set, folder: Path, progress) -> list:
     netns_problem = None
     results = []
     for scenario in MATRIX:
-        if only and not set(scenario.keys) & only:
+        if only and not (set(scenario.keys) & only or scenario.name in only):
             continue
         if scenario.needs_netns:
             netns_problem = netns_problem or netns_unavailable_reason() or ""
             if netns_problem:
                 results.append(
                     ScenarioResult(
-                        f"{scenario.keys}.",
+                        f"{scenario.keys}. {scenario.name}",
                         survived=False,
                         epochs_lost=0,
                         recover_seconds=None,
@@ -113,7 +113,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.faults", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", default="", help="comma-separated scenario letters, e.g. g,h,i (default: all)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated scenario letters or names, e.g. g,h,i or bad_dht_records (default: all)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write every result record (with details) here")
     parser.add_argument("--keep", metavar="DIR", help="keep peers' logs and files in this folder")
     args = parser.parse_args()

@@ -429,7 +429,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_tables(rows)
         write_plot(rows, args.plot)
         return 0
-    from tests.support.netem.hosts import netns_unavailable_reason
+    from benchmarks.testbed.netem.hosts import netns_unavailable_reason
 
     reason = netns_unavailable_reason()
     if reason:

@@ -1,7 +1,7 @@
 """The parts of ``benchmarks/swarm.py``: run one swarm of real trainers on emulated links, and measure it.
 
 One *run* is N trainer processes (``benchmarks.swarm_peer``: ``run_trainer.py`` with timers), each on its own
-test host (a network namespace from ``tests.support.netem``) behind a tbf bandwidth limit and a delay proxy, all
+test host (a network namespace from ``benchmarks.testbed.netem``) behind a tbf bandwidth limit and a delay proxy, all
 training the same model on the same data with the same per-step batch for the same number of global epochs.
 While they train, a thread samples each host's interface counters; afterwards their lifecycle events
 (``epoch_done``), their timers and the final parameters give the row: throughput, efficiency, bytes on the wire
@@ -31,10 +31,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from benchmarks.testbed.faults.swarm import LinkProfile
+from benchmarks.testbed.netem.hosts import Host, Testbed
+from benchmarks.testbed.processes import PeerProcess, kill_all
 from peer.backup import FINAL_PARAMS_NAME
-from tests.support.faults.swarm import LinkProfile
-from tests.support.netem.hosts import Host, Testbed
-from tests.support.processes import PeerProcess, kill_all
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,15 @@
-"""Shared fixtures: every test leaves no child process behind (hivemind DHT/averager processes, p2pd)."""
+"""Shared fixtures and markers: every test leaves no child process behind (hivemind DHT/averager processes, p2pd);
+opt-in suites run only when ``-m`` names them; ``netns`` tests are skipped where namespaces are unavailable."""
 
 import logging
 import os
+import re
 import time
 
 import psutil
 import pytest
 
-from tests.support.processes import remove_orphaned_shared_memory
+from benchmarks.testbed.processes import remove_orphaned_shared_memory
 
 # One torch thread per process: multi-peer tests run several peers on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -53,3 +55,41 @@ def cleanup_children():
     removed = remove_orphaned_shared_memory(since=started)
     if removed:
         logging.getLogger(__name__).info("removed %d shared-memory files of processes that are gone", removed)
+
+
+# Opt-in suites (registered in pyproject.toml): deselected unless the -m expression names them, so the default run
+# and `-m "not slow"` leave them out while `-m docker` or `-m "faults or swarm_bench"` selects them.
+OPT_IN_MARKERS = ("faults", "local_mode", "swarm_bench", "docker")
+_OPT_IN_LEFT_OUT = pytest.StashKey[dict]()  # marker -> how many tests it left out of this run
+
+
+def pytest_collection_modifyitems(config, items):
+    expression = config.getoption("markexpr") or ""
+    named = {name for name in OPT_IN_MARKERS if re.search(rf"\b{name}\b", expression)}
+    kept, dropped = [], []
+    for item in items:
+        opt_in = {mark.name for mark in item.iter_markers()}.intersection(OPT_IN_MARKERS)
+        (dropped if opt_in - named else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+        counts = {}
+        for item in dropped:
+            for mark in {m.name for m in item.iter_markers()}.intersection(OPT_IN_MARKERS):
+                counts[mark] = counts.get(mark, 0) + 1
+        config.stash[_OPT_IN_LEFT_OUT] = counts
+    if any(item.get_closest_marker("netns") for item in items):
+        from benchmarks.testbed.netem.hosts import netns_unavailable_reason
+
+        reason = netns_unavailable_reason()
+        if reason:
+            for item in items:
+                if item.get_closest_marker("netns"):
+                    item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_report_collectionfinish(config):
+    counts = config.stash.get(_OPT_IN_LEFT_OUT, {})
+    if counts:
+        listed = ", ".join(f"{name} ({count})" for name, count in sorted(counts.items()))
+        return f"opt-in suites left out: {listed}; select one with -m NAME"

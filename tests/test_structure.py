@@ -1,4 +1,5 @@
-"""The architecture, checked: layers import only what they may, no cycles, hivemind overrides in one seam."""
+"""The architecture, checked: layers import only what they may (benchmarks/ no test code), no cycles, hivemind
+overrides in one seam."""
 
 from __future__ import annotations
 
@@ -108,12 +109,22 @@ def test_model_knows_nothing_of_hivemind_or_the_peers():
         assert not bad, f"{path.relative_to(REPO_ROOT)} imports {sorted(bad)}; model/ has no training or network code"
 
 
-def test_no_production_module_imports_tests():
+def test_no_production_module_imports_tests_or_the_testbed():
     production = [path for package in PACKAGES for path in (REPO_ROOT / package).rglob("*.py")]
     production += [REPO_ROOT / "run_trainer.py", REPO_ROOT / "run_aux_peer.py"]
     for path in production:
-        bad = {name for name in _imports(path) if name.split(".")[0] in ("tests", "helpers")}
-        assert not bad, f"{path.relative_to(REPO_ROOT)} imports test code {sorted(bad)}"
+        bad = {name for name in _imports(path) if name.split(".")[0] in ("tests", "helpers", "benchmarks")}
+        assert not bad, f"{path.relative_to(REPO_ROOT)} imports test or benchmark code {sorted(bad)}"
+
+
+def test_benchmarks_import_no_test_code():
+    """benchmarks/ (the test-bed package benchmarks/testbed/ included) imports nothing from tests/: what tests and
+    benchmarks share lives in the test-bed, so a benchmark runs without the test suite."""
+    files = sorted((REPO_ROOT / "benchmarks").rglob("*.py"))
+    assert REPO_ROOT / "benchmarks" / "testbed" / "faults" / "scenarios.py" in files
+    for path in files:
+        bad = {name for name in _imports(path) if name.split(".")[0] == "tests"}
+        assert not bad, f"{path.relative_to(REPO_ROOT)} imports test code {sorted(bad)}; move it to benchmarks/testbed/"
 
 
 def test_hivemind_classes_are_subclassed_only_in_the_seam():

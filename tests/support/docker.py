@@ -1,4 +1,4 @@
-"""A real Docker engine for tests/test_docker.py's end-to-end test: start it, build images, run and inspect
+"""A real Docker engine for tests/integration/test_docker.py's end-to-end test: start it, build images, run and inspect
 containers, and remove everything a test created.
 
 Image registries are out of reach, so base images are made locally: ``debootstrap`` (Debian's packages) into a

@@ -1,0 +1,82 @@
+"""The trainer with test fault hooks: ``run_trainer.py`` plus the env-driven faults of
+``benchmarks.testbed.faults.injection`` (NaN gradients/parameters, scaled or non-finite gradients on the wire, death in
+the middle of an all-reduce, per-epoch parameter dumps).
+
+Tests start it instead of ``run_trainer.py`` (``benchmarks.testbed.trainers.start_trainer`` does so whenever the
+environment it is given holds a fault variable), from the repository root::
+
+    python -m benchmarks.testbed.fault_trainer --config tiny ...   # same flags as run_trainer.py
+
+Production code has no fault hooks; this file only overrides the trainer's extension points.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import peer.cli
+from benchmarks.testbed.faults import injection
+from peer.swarm.hivemind_seam import LeanHiveGradientAverager, PseudoGradientAverager
+from peer.trainer import TrainerPeer
+
+
+class _FaultHooks:
+    """What this peer sends for averaging may be scaled or non-finite; it may SIGKILL itself mid all-reduce (the
+    first base of both faulty averagers below)."""
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        super().load_accumulators_into_averager_()
+        injection.corrupt_sent_gradients(self)
+
+    def _on_averaged_tensor(self, received: int) -> None:
+        super()._on_averaged_tensor(received)
+        injection.maybe_die_in_allreduce(self, received)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        if "weight" in kwargs:
+            kwargs["weight"] = injection.weight_to_send(kwargs["weight"])
+        injection.maybe_send_bad_shapes()
+        sent = injection.snapshot_sent(tensors)
+        try:
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        except BaseException as e:
+            injection.record_averaging(sent, tensors, error=e)
+            raise
+        injection.record_averaging(sent, tensors)
+
+
+# hivemind names an averager's RPC handlers after its class ("<prefix>::<class name>.rpc_join_group", ...): with
+# the production name a faulty peer averages with peers started from run_trainer.py, as it did when the fault
+# hooks lived in the production class.
+class FaultyGradientAverager(_FaultHooks, LeanHiveGradientAverager):
+    pass
+
+
+class FaultyPseudoGradientAverager(_FaultHooks, PseudoGradientAverager):
+    """--sync_mode local: the pseudo-gradients sent may be corrupted the same way."""
+
+
+FaultyGradientAverager.__name__ = LeanHiveGradientAverager.__name__
+FaultyPseudoGradientAverager.__name__ = PseudoGradientAverager.__name__
+
+
+class FaultyTrainerPeer(TrainerPeer):
+    grad_averager_class = FaultyGradientAverager
+    pseudo_grad_averager_class = FaultyPseudoGradientAverager
+
+    def _accumulate_gradients(self) -> float:
+        loss_sum = super()._accumulate_gradients()
+        injection.maybe_corrupt_gradients(self.model, self.local_step)  # before the trainer's finiteness check
+        return loss_sum
+
+    def _after_update(self, new_epoch: int) -> None:
+        injection.maybe_save_parameters(self.model, new_epoch)
+        injection.maybe_corrupt_parameters(self.model, new_epoch)
+        super()._after_update(new_epoch)  # NaN/inf check and recovery, periodic backup
+
+
+if __name__ == "__main__":
+    sys.exit(peer.cli.main(sys.argv[1:], peer_class=FaultyTrainerPeer))

@@ -1,0 +1,197 @@
+"""Fault injection for tests, driven by environment variables (no CLI flag: users never need it).
+
+Only the test entry point ``benchmarks/testbed/fault_trainer.py`` acts on these (its ``FaultyTrainerPeer`` and
+``FaultyGradientAverager`` call the functions below from the trainer's extension points); ``run_trainer.py``
+cannot inject faults. ``benchmarks.testbed.trainers.start_trainer`` starts that entry point whenever the
+environment it is given holds one of these variables.
+
+- ``LEANHIVE_FAULT_NAN_GRAD_STEPS=3,4``: after backward at these local steps, one gradient becomes NaN.
+- ``LEANHIVE_FAULT_NAN_PARAM_EPOCHS=2``: the first time the peer reaches these global epochs, one parameter
+  becomes NaN.
+
+What a broken or hostile peer puts on the wire (its own local checks never see it):
+
+- ``LEANHIVE_FAULT_SEND_GRAD_SCALE=1e6``: the gradients this peer sends for averaging are multiplied by this.
+- ``LEANHIVE_FAULT_SEND_NONFINITE_GRADS=1``: the gradients this peer sends are NaN (first half) and inf.
+- ``LEANHIVE_FAULT_DIE_IN_ALLREDUCE=3``: SIGKILL the whole peer in the middle of its 3rd gradient all-reduce
+  (after the first averaged tensor came back, while the rest is still in flight); ``=/some/file``: in the
+  first gradient all-reduce after that file exists (tests decide when). Several peers may share one file: the
+  first to get there renames it (``.fired``), so exactly one of them dies.
+- ``LEANHIVE_FAULT_SEND_WEIGHT=inf``: the sample weight this peer claims in every gradient all-reduce.
+- ``LEANHIVE_FAULT_SEND_BAD_SHAPE=1``: every gradient part this peer sends to another peer's reducer is a
+  1-element tensor instead of the shard's part.
+- ``LEANHIVE_FAULT_RECORD_AVERAGING=/path.jsonl``: (an observation, no fault) after each gradient all-reduce,
+  append {ok, error, cosine, change} comparing what this peer sent with the average it applied.
+- ``LEANHIVE_TEST_PARAMS_DIR=/path``: after each global epoch, write the parameters to
+  ``/path/epoch_000012.pt`` (tests compare peers epoch by epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import FrozenSet
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FAULT_ENV_PREFIX = "LEANHIVE_FAULT_"
+NAN_GRAD_STEPS_ENV = "LEANHIVE_FAULT_NAN_GRAD_STEPS"
+NAN_PARAM_EPOCHS_ENV = "LEANHIVE_FAULT_NAN_PARAM_EPOCHS"
+SEND_GRAD_SCALE_ENV = "LEANHIVE_FAULT_SEND_GRAD_SCALE"
+SEND_NONFINITE_GRADS_ENV = "LEANHIVE_FAULT_SEND_NONFINITE_GRADS"
+DIE_IN_ALLREDUCE_ENV = "LEANHIVE_FAULT_DIE_IN_ALLREDUCE"
+SEND_WEIGHT_ENV = "LEANHIVE_FAULT_SEND_WEIGHT"
+SEND_BAD_SHAPE_ENV = "LEANHIVE_FAULT_SEND_BAD_SHAPE"
+RECORD_AVERAGING_ENV = "LEANHIVE_FAULT_RECORD_AVERAGING"
+PARAMS_DIR_ENV = "LEANHIVE_TEST_PARAMS_DIR"
+
+
+def _numbers(env_name: str) -> FrozenSet[int]:
+    text = os.environ.get(env_name, "")
+    return frozenset(int(part) for part in text.replace(",", " ").split())
+
+
+def _first_tensor(model: torch.nn.Module, attribute: str):
+    for param in model.parameters():
+        tensor = param if attribute == "data" else param.grad
+        if tensor is not None:
+            return tensor
+    return None
+
+
+@torch.no_grad()
+def maybe_corrupt_gradients(model: torch.nn.Module, local_step: int) -> None:
+    if local_step in _numbers(NAN_GRAD_STEPS_ENV):
+        grad = _first_tensor(model, "grad")
+        if grad is not None:
+            logger.warning("FAULT INJECTION: NaN gradient at local step %d", local_step)
+            grad.view(-1)[0] = float("nan")
+
+
+_corrupted_epochs = set()  # a recovered peer reaches the same epoch again: inject only once
+
+
+@torch.no_grad()
+def maybe_corrupt_parameters(model: torch.nn.Module, global_epoch: int) -> None:
+    if global_epoch in _numbers(NAN_PARAM_EPOCHS_ENV) and global_epoch not in _corrupted_epochs:
+        _corrupted_epochs.add(global_epoch)
+        logger.warning("FAULT INJECTION: NaN parameter at global epoch %d", global_epoch)
+        _first_tensor(model, "data").view(-1)[0] = float("nan")
+
+
+@torch.no_grad()
+def corrupt_sent_gradients(averager) -> None:
+    """For a hivemind GradientAverager, right after ``load_accumulators_into_averager_``: what this peer sends
+    is scaled or made non-finite (env-driven)."""
+    scale = float(os.environ.get(SEND_GRAD_SCALE_ENV, "1"))
+    nonfinite = os.environ.get(SEND_NONFINITE_GRADS_ENV, "") not in ("", "0")
+    if scale == 1 and not nonfinite:
+        return
+    with averager.get_tensors() as averaged_grads:
+        for grad in averaged_grads:
+            flat = grad.view(-1)
+            if nonfinite:
+                flat[: flat.numel() // 2] = float("nan")
+                flat[flat.numel() // 2 :] = float("inf")
+            else:
+                flat.mul_(scale)
+    logger.warning("FAULT INJECTION: sending %s gradients for averaging", "NaN/inf" if nonfinite else f"{scale:g}x")
+
+
+def weight_to_send(weight):
+    """The sample weight a hostile peer claims instead of its own (``LEANHIVE_FAULT_SEND_WEIGHT``)."""
+    claimed = os.environ.get(SEND_WEIGHT_ENV, "").strip()
+    if not claimed:
+        return weight
+    logger.warning("FAULT INJECTION: claiming sample weight %s instead of %s", claimed, weight)
+    return float(claimed)
+
+
+def maybe_send_bad_shapes() -> None:
+    """Called in the averager process: from now on every part sent to another reducer is a 1-element tensor."""
+    if os.environ.get(SEND_BAD_SHAPE_ENV, "") in ("", "0"):
+        return
+    from hivemind.averaging.allreduce import AllReduceRunner
+    from hivemind.compression import serialize_torch_tensor
+
+    from peer.swarm.hivemind_seam import BoundedAllReduceRunner
+
+    original = AllReduceRunner._generate_input_for_peer
+    if getattr(BoundedAllReduceRunner, "_bad_shapes", False):
+        return
+
+    async def bad_shapes(self, peer_index):
+        async for message in original(self, peer_index):
+            message.tensor_part.CopyFrom(serialize_torch_tensor(torch.ones(1)))
+            yield message
+
+    BoundedAllReduceRunner._generate_input_for_peer = bad_shapes
+    BoundedAllReduceRunner._bad_shapes = True
+    logger.warning("FAULT INJECTION: sending 1-element parts instead of gradient shards")
+
+
+def snapshot_sent(tensors):
+    """What this peer is about to send (``LEANHIVE_FAULT_RECORD_AVERAGING``), or None when not recording."""
+    if not os.environ.get(RECORD_AVERAGING_ENV):
+        return None
+    return torch.cat([t.detach().flatten().float() for t in tensors]).clone()
+
+
+def record_averaging(sent, tensors, error=None) -> None:
+    """Append how the applied average compares with what this peer sent (cosine, relative change)."""
+    if sent is None:
+        return
+    import json
+
+    applied = torch.cat([t.detach().flatten().float() for t in tensors])
+    norm = float(sent.norm())
+    cosine = float(torch.nn.functional.cosine_similarity(sent, applied, dim=0)) if norm > 0 else None
+    line = {
+        "ok": error is None,
+        "error": None if error is None else repr(error)[:300],
+        "cosine": cosine,
+        "change": float((applied - sent).norm()) / norm if norm > 0 else None,
+        "finite": bool(torch.isfinite(applied).all()),
+    }
+    with open(os.environ[RECORD_AVERAGING_ENV], "a") as file:
+        file.write(json.dumps(line) + "\n")
+
+
+_allreduce_rounds = 0  # gradient all-reduce rounds this averager process took part in
+
+
+def maybe_die_in_allreduce(averager, tensors_received: int) -> None:
+    """Called by the averager process for every averaged tensor it receives; SIGKILLs the peer when told to."""
+    global _allreduce_rounds
+    from hivemind.optim.grad_averager import GradientAverager
+
+    setting = os.environ.get(DIE_IN_ALLREDUCE_ENV, "").strip()
+    if not setting or not isinstance(averager, GradientAverager) or tensors_received != 1:
+        return
+    _allreduce_rounds += 1
+    armed = _claim(Path(setting)) if setting.startswith("/") else _allreduce_rounds in _numbers(DIE_IN_ALLREDUCE_ENV)
+    if armed:
+        logger.warning("FAULT INJECTION: SIGKILL in the middle of gradient all-reduce round %d", _allreduce_rounds)
+        os.kill(os.getppid(), signal.SIGKILL)  # the trainer; its other helpers follow it (process_guard)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _claim(trigger: Path) -> bool:
+    try:
+        trigger.rename(trigger.with_name(trigger.name + ".fired"))  # atomic: one peer wins
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def maybe_save_parameters(model: torch.nn.Module, global_epoch: int) -> None:
+    folder = os.environ.get(PARAMS_DIR_ENV)
+    if folder:
+        from peer.swarm.tensors import atomic_torch_save
+
+        params = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
+        atomic_torch_save(params, Path(folder) / f"epoch_{global_epoch:06d}.pt")

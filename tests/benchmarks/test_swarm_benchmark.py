@@ -1,0 +1,200 @@
+"""The collaboration-efficiency benchmark (benchmarks/swarm.py): its byte accounting on known sizes, the equal-samples
+rule (round sizes, scaled schedules, one measured window for every row), and ``--quick`` end to end with real peers
+on emulated links (solo and sync on broadband, the tiny model). No timing assertions: the figures must be present
+and sane, whatever this machine's speed.
+
+The end-to-end test is opt-in, like the other suites on emulated links: ``python -m pytest -m swarm_bench`` (one to
+two minutes, as root). Its epochs last seconds: with sub-second epochs the peers' start-up skew on a loaded machine
+could let one peer end the first epochs alone and the other chase it to max_epochs and leave, so they never
+averaged. A row also counts such epochs (``epochs_alone``), and the test requires none in the measured window."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.swarm import against_sync, curve_table, parse_args, table
+from benchmarks.swarm_lib import (
+    CounterSampler,
+    Row,
+    RunSettings,
+    allreduce_bound_per_epoch,
+    loss_at,
+    measure,
+    params_every,
+    validation_losses,
+    wire_bytes_of,
+)
+from benchmarks.testbed.events import EventLog
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_wire_format_and_butterfly_bound():
+    # 8-bit blockwise with one fp32 scale per 4096 values for large tensors, fp16 for small ones
+    assert wire_bytes_of([8192, 100], threshold=4096) == 8192 + 2 * 4 + 2 * 100
+    # two peers: half the vector out and half in, twice (reduce-scatter, all-gather) = 2x the vector
+    assert allreduce_bound_per_epoch(1000, 2) == 2000
+    assert allreduce_bound_per_epoch(900, 3) == pytest.approx(2400)
+    assert allreduce_bound_per_epoch(1000, 1) == 0
+
+
+def test_counters_are_interpolated_between_samples():
+    sampler = CounterSampler([object(), object()])
+    sampler.samples = [(10.0, [0, 100]), (20.0, [1000, 300])]
+    assert sampler.at(15.0) == [500.0, 200.0]
+    assert sampler.at(5.0) == [0.0, 100.0] and sampler.at(25.0) == [1000.0, 300.0]
+
+
+def _flag(flags, name):
+    return flags[flags.index(name) + 1]
+
+
+def test_every_mode_trains_the_same_samples_on_the_same_schedule():
+    settings = RunSettings(epochs=32, target_batch_size=128, per_device_batch_size=4, gradient_accumulation_steps=4)
+    assert settings.total_samples == 4096
+    for mode, rounds, epochs in (("sync", 128, 32), ("local_x4", 512, 8), ("local_x16", 2048, 2)):
+        flags = settings.flags(mode)
+        assert settings.round_size(mode) == rounds and settings.epochs_of(mode) == epochs
+        assert int(_flag(flags, "--target_batch_size")) * int(_flag(flags, "--max_epochs")) == 4096
+    # the schedule (2 warmup and 100 total epochs of 128 samples) is kept in samples: 25 rounds of 512
+    assert (_flag(settings.flags("sync"), "--warmup_steps"), _flag(settings.flags("sync"), "--total_steps")) == (
+        "2",
+        "100",
+    )
+    assert (
+        _flag(settings.flags("local_x4"), "--warmup_steps"),
+        _flag(settings.flags("local_x4"), "--total_steps"),
+    ) == (
+        "1",
+        "25",
+    )
+    # H: a round of 2048 samples over 2 peers taking local steps of 4 micro-batches of 4 samples
+    assert settings.local_steps("local_x16") == 2048 / (2 * 4 * 4) and math.isnan(settings.local_steps("sync"))
+    assert settings.check(["solo", "sync", "local_x16"]) is None
+    assert "multiple of 16" in RunSettings(epochs=24).check(["sync", "local_x16"])
+    assert "at least 32" in RunSettings(epochs=16).check(["sync", "local_x16"])
+    assert "local_x8 cannot start" in RunSettings(epochs=24).check(["sync", "local_x8", "local_x12"])
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "solo,sync,local_x4", "--epochs", "6"])
+    assert params_every(2048, 128) == 4 and params_every(2048, 2048) == 1
+
+
+def _peer(tmp_path, name, epochs):
+    """What ``measure`` reads of a finished peer: its epoch_done events (a real event log), exit code, timings."""
+    log = EventLog(tmp_path / f"{name}.events.jsonl")
+    log.clear()
+    log.path.write_text("".join(json.dumps(dict(event="epoch_done", **e)) + "\n" for e in epochs))
+    return SimpleNamespace(events=log, poll=lambda: 0, timings=lambda: [])
+
+
+def test_every_row_is_measured_after_the_largest_round(tmp_path):
+    # a sync row of 8 epochs of 128 samples in a matrix whose largest round is 512: epochs 3 (ends at 512) to 7
+    epochs = [dict(epoch=e, time=10.0 * (e + 1), samples=64, loss=8.0 - e / 10, peers=2) for e in range(8)]
+    peers = [_peer(tmp_path, "a", epochs), _peer(tmp_path, "b", epochs)]
+    sampler = CounterSampler([object(), object()])
+    sampler.samples = [(0.0, [0, 0]), (100.0, [10_000, 10_000])]
+
+    def measured(window_start):
+        row = Row(link="home", mode="sync", peers=2, round_samples=128)
+        return measure(row, peers, sampler, 0.0, wire_bytes=1000, solo_rate=2.0, window_start=window_start)
+
+    row = measured(512)
+    assert row.error is None and row.epochs_measured == 4 and row.samples_measured == 4 * 128
+    assert row.seconds_measured == 40.0 and row.samples_per_second == 512 / 40 and row.efficiency == 512 / 40 / 4
+    assert row.bytes_per_sample == 2 * 4000 / 512  # 100 bytes/s per peer over the 40 s window
+    assert len(row.curve) == 8  # the training-loss curve keeps every epoch
+    late = measured(1024)
+    assert late.error and "fewer than 2" in late.error
+
+
+def test_tables_compare_every_mode_with_sync():
+    # sync's epochs overshot their 512 samples (600 trained per epoch): the local row is compared at its 1100 samples
+    sync = Row(link="home", mode="sync", peers=2, round_samples=512, bytes_per_sample=2000.0, validation_loss=7.0)
+    sync.curve = [dict(epoch=0, samples=600, loss=8.0), dict(epoch=1, samples=1200, loss=7.5)]
+    sync.val_curve = [dict(epoch=0, samples=512, loss=7.5), dict(epoch=1, samples=1024, loss=7.0)]
+    local = Row(link="home", mode="local_x2", peers=2, round_samples=1024, local_steps=32.0, bytes_per_sample=80.0)
+    local.validation_loss, local.efficiency, local.compute_share = 7.07, 0.93, 0.9
+    local.curve = [dict(epoch=0, samples=1100, loss=7.2)]
+    local.val_curve = [dict(epoch=0, samples=1024, loss=7.07)]
+    assert local.samples_trained == 1100 and sync.validation_points() == [(600.0, 7.5), (1200.0, 7.0)]
+    assert loss_at(sync.validation_points(), 1100) == pytest.approx(7.5 - 0.5 * 500 / 600)
+    assert math.isnan(loss_at(sync.validation_points(), 1300))
+    compared = against_sync([sync, local])
+    gap = 100 * (7.07 / (7.5 - 0.5 * 500 / 600) - 1)
+    assert f"| home | local_x2 | 32 | 25.0 | 1100 | 7.070 | 7.083 | {gap:.1f} | 1.0 | 0.93 | — | 0.90 |" in compared
+    assert "| home | local_x2 | — | 7.070 (1.1k) |" in curve_table([sync, local])
+    assert "| home | local_x2 | 2 | 1024 | 32 | 1100 |" in table([sync, local])
+    # with the solo row: the compute share over solo's (peers computing at the same speed, as on separate GPUs)
+    solo = Row(link="any", mode="solo", peers=1, compute_share=0.96)
+    assert "| 0.93 | 0.94 | 0.90 |" in against_sync([solo, sync, local])
+    assert "| 0.93 | 0.94 | 0.90 |" in table([solo, sync, local])
+
+
+def test_saved_parameters_are_evaluated(tmp_path):
+    import torch
+
+    from benchmarks.swarm_peer import save_params
+    from model import LeanGPTForCausalLM, load_config
+
+    torch.manual_seed(0)
+    path = save_params(LeanGPTForCausalLM(load_config("tiny")), 3, tmp_path)
+    assert path.name == "epoch_000003.pt"
+    loss, missing = validation_losses([path, tmp_path / "absent.pt"], "tiny", 64, max_batches=1)
+    assert 0 < loss < math.log(4096) + 1 and math.isnan(missing)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@pytest.mark.swarm_bench
+@pytest.mark.netns
+def test_quick_matrix_reports_sane_figures(tmp_path):
+    rows_path, plot_path = tmp_path / "rows.json", tmp_path / "swarm.png"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.swarm",
+            "--quick",
+            "--json",
+            str(rows_path),
+            "--plot",
+            str(plot_path),
+            "--folder",
+            str(tmp_path / "runs"),
+            "--run_timeout",
+            "200",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "| link | mode |" in result.stdout and "efficiency" in result.stdout
+    rows = {row["mode"]: row for row in json.loads(rows_path.read_text())}
+    assert set(rows) == {"solo", "sync"}
+    solo, sync = rows["solo"], rows["sync"]
+    assert solo["efficiency"] == 1.0 and solo["samples_per_second"] > 0
+    assert solo["bytes_per_sample"] < 1000  # a peer alone sends next to nothing
+    assert sync["epochs_measured"] >= 2 and sync["exit_codes"] == [0, 0]
+    assert sync["epochs_alone"] == 0, "a peer ended a measured epoch without the other: it did not average"
+    assert 0.05 < sync["efficiency"] < 1.5
+    # gradients crossed the wire: at least the all-reduce bound, and not absurdly more
+    assert sync["bound_bytes_per_sample"] > 0
+    assert 0.5 <= sync["bytes_over_bound"] < 20
+    breakdown = sync["breakdown"]
+    assert breakdown["compute"] > 0 and breakdown["grad_allreduce"] > 0 and breakdown["optimizer_step"] > 0
+    for row in (solo, sync):
+        assert math.isfinite(row["validation_loss"]) and 0 < row["validation_loss"] < math.log(4096) + 1
+        assert row["curve"] and all(point["samples"] > 0 for point in row["curve"])
+        # the validation curve: the first peer's parameters after every epoch, the last one ~ the final parameters
+        assert row["round_samples"] == 512 and [p["samples"] for p in row["val_curve"]][-1] == 3 * 512
+        assert row["val_curve"][-1]["loss"] == pytest.approx(row["validation_loss"], abs=0.05)
+    assert plot_path.stat().st_size > 10_000

@@ -1,0 +1,363 @@
+"""What an honest peer meets on its own, without an attacker: a multi-GPU host (samples counted once), a full disk
+while checkpointing or backing up, symlinks in the checkpoint folder, a Hub upload racing the stop, a dead p2pd, a
+swarm with nobody else yet (no vote for a fresh epoch), a client's epochs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from aux_monitor.state import CheckpointInfo
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str):
+    """A real, small filesystem at ``path`` (needs root); the test is skipped where it cannot be mounted."""
+    path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {result.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_disk(folder: Path, leave: int = 0) -> Path:
+    """Fill the filesystem of ``folder`` with one file until at most ``leave`` bytes are free."""
+    filler = folder / "filler.bin"
+    with open(filler, "wb") as f:
+        while True:
+            free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+            if free <= leave:
+                break
+            try:
+                f.write(b"\0" * min(free - leave, 1 << 16))
+                f.flush()
+            except OSError:
+                break
+    return filler
+
+
+# ------------------------------------------------------------------------------------- batch_size_per_step
+
+
+def test_batch_size_per_step_counts_only_the_device_that_trains(monkeypatch, tmp_path):
+    """On a multi-GPU host the model still trains on one device: N GPUs must not multiply the step's samples."""
+    from peer.model_setup import Placement
+    from peer.swarm.config import CollaborationArguments, OptimizerArguments, TrainingArguments
+    from peer.swarm.data import DataArguments
+    from peer.swarm.network import NetworkArguments
+    from peer.trainer import TrainerConfig, TrainerPeer
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    config = TrainerConfig(
+        NetworkArguments(),
+        CollaborationArguments(),
+        OptimizerArguments(),
+        TrainingArguments(output_dir=str(tmp_path), per_device_batch_size=3, gradient_accumulation_steps=2),
+        DataArguments(),
+    )
+    peer = TrainerPeer(config)
+    peer.placement = Placement(device=torch.device("cuda", 0), autocast_dtype=None)
+    assert peer.batch_size_per_step == 6
+    peer.placement = Placement(device=torch.device("cpu"), autocast_dtype=None)
+    assert peer.batch_size_per_step == 6
+
+
+# ------------------------------------------------------------------------------------------- Hub uploader
+
+
+class _GatedLock:
+    """A lock that, once armed, holds the upload thread right after it released the lock having uploaded
+    something: the moment at which the old uploader had decided to stop but its thread was still alive."""
+
+    def __init__(self, uploads):
+        self._lock = threading.Lock()
+        self._uploads = uploads
+        self.reached, self.proceed = threading.Event(), threading.Event()
+        self._done = False
+
+    def acquire(self, *args, **kwargs):
+        return self._lock.acquire(*args, **kwargs)
+
+    def release(self):
+        self._lock.release()
+        in_uploader = threading.current_thread().name == "hub-upload"
+        if in_uploader and not self._done and self._uploads():
+            self._done = True
+            self.reached.set()
+            assert self.proceed.wait(10)
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def test_a_checkpoint_submitted_while_the_uploader_stops_is_still_uploaded(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from aux_monitor.hub import HubUploader
+    from tests.aux.test_parts import FakeHfApi
+
+    api = FakeHfApi()
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda: api)
+    uploader = HubUploader("org/leanhive-tiny")
+    uploaded = lambda: [c for c in api.calls if c[0] == "upload_folder"]  # noqa: E731
+    gate = uploader._lock = _GatedLock(uploaded)
+    first, second = (
+        CheckpointInfo(epoch=e, time=0.0, path=str(tmp_path / f"epoch_{e:06d}"), loss=None) for e in (2, 4)
+    )
+    uploader.submit(first)
+    assert gate.reached.wait(10), "the uploader never finished its first upload"
+    # the upload thread has found nothing more to do and released the lock, but has not ended yet
+    uploader.submit(second)
+    gate.proceed.set()
+    uploader.wait(timeout=10)
+    assert [c[2] for c in uploaded()] == [first.path, second.path]
+    assert [c.epoch for c in uploader.uploaded] == [2, 4]
+
+
+# ---------------------------------------------------------------------------------- aux checkpoint folder
+
+
+def test_symlinked_checkpoint_entries_neither_break_nor_steer_checkpointing(tmp_path, caplog):
+    """A symlinked ``epoch_*`` (to a checkpoint elsewhere, or dangling where the next checkpoint goes) is ignored:
+    checkpoints are still written and rotated, the symlink and its target are never deleted."""
+    from aux_monitor.checkpoints import CheckpointManager
+    from model import LeanGPTForCausalLM
+    from tests.aux.test_checkpoints import trained_state
+
+    outside = CheckpointManager(tmp_path / "elsewhere", keep=5, model_class=LeanGPTForCausalLM)
+    foreign = Path(outside.save(trained_state(99)).path)
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "epoch_000099").symlink_to(foreign, target_is_directory=True)
+    (root / "epoch_000002").symlink_to(tmp_path / "nowhere", target_is_directory=True)  # dangling
+
+    mgr = CheckpointManager(root, keep=1, model_class=LeanGPTForCausalLM)
+    assert mgr.load_newest_valid() is None  # the symlinked checkpoint is not offered to joiners
+    with caplog.at_level(logging.WARNING, logger="aux_monitor.checkpoints"):
+        first = mgr.save(trained_state(1))
+        second = mgr.save(trained_state(2))
+    assert Path(second.path).name == "epoch_000002.1"  # the dangling link's name is taken: not renamed onto
+    assert not Path(first.path).exists()  # rotation still keeps exactly the newest real one
+    assert [p.name for p in mgr.list_checkpoints()] == ["epoch_000002.1"]
+    assert (root / "epoch_000099").is_symlink() and foreign.is_dir()
+    assert (root / "epoch_000002").is_symlink()
+    assert any("symbolic link" in r.getMessage() for r in caplog.records)
+
+
+def test_a_full_disk_while_checkpointing_is_reported_and_keeps_the_previous_checkpoint(tmp_path, caplog):
+    from aux_monitor.checkpoints import CheckpointError, CheckpointManager
+    from model import LeanGPTForCausalLM
+    from tests.aux.test_checkpoints import trained_state
+
+    with small_tmpfs(tmp_path / "disk", "4m") as disk:
+        mgr = CheckpointManager(disk / "ckpt", keep=2, model_class=LeanGPTForCausalLM)
+        kept = mgr.save(trained_state(1))
+        filler = fill_disk(disk, leave=64 * 1024)
+        with pytest.raises(CheckpointError, match="free disk space"):
+            mgr.save(trained_state(2))
+        assert [p.name for p in mgr.list_checkpoints()] == ["epoch_000001"]
+        assert not [p for p in (disk / "ckpt").iterdir() if p.name.startswith(".tmp")]
+        assert mgr.load(kept.path).state.epoch == 1
+        filler.unlink()  # space again: the next attempt works
+        assert Path(mgr.save(trained_state(2)).path).name == "epoch_000002"
+
+
+# ------------------------------------------------------------------------------------------ trainer backup
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_during_a_periodic_backup_keeps_training_and_the_previous_backup(tmp_path, caplog):
+    """The trainer's periodic backup on a full disk: logged, training goes on, the last good backup stays
+    loadable, and the backup is retried at the next epoch once there is space."""
+    from benchmarks.testbed.processes import share_tensors_by_file_descriptor
+    from peer import backup
+    from peer.swarm.config import CollaborationArguments, OptimizerArguments, TrainingArguments
+    from peer.swarm.data import DataArguments
+    from peer.swarm.network import NetworkArguments
+    from peer.trainer import TrainerConfig, TrainerPeer
+    from tests.swarm.test_optimizer_state import _peer_on
+
+    share_tensors_by_file_descriptor()
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        dht, model, opt = _peer_on("fulldisk")
+        try:
+            config = TrainerConfig(
+                NetworkArguments(),
+                CollaborationArguments(),
+                OptimizerArguments(),
+                TrainingArguments(output_dir=str(disk), backup_every_epochs=2),
+                DataArguments(),
+            )
+            peer = TrainerPeer(config)
+            peer.model, peer.optimizer = model, opt
+
+            def one_epoch():
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()  # target 4 = one step: one global epoch
+                opt.zero_grad()
+                peer._after_update(opt.local_epoch)
+
+            one_epoch()
+            one_epoch()  # epoch 2: a backup
+            assert (disk / backup.BACKUP_NAME).exists()
+            saved = {k: v.clone() for k, v in model.state_dict().items()}
+            filler = fill_disk(disk)
+            with caplog.at_level(logging.ERROR, logger="peer.backup"):
+                one_epoch()
+                one_epoch()  # epoch 4: the backup fails, training goes on
+            assert opt.local_epoch == 4
+            assert any("Could not write the backup" in r.getMessage() for r in caplog.records)
+            assert not list(disk.glob("*.tmp"))
+            # the last good backup (epoch 2) is still there, as the previous one, and load_backup would use it
+            kept = torch.load(disk / backup.PREVIOUS_BACKUP_NAME, weights_only=True)
+            assert kept["epoch"] == 2 and all(torch.equal(saved[k], v) for k, v in kept["model"].items())
+            assert backup._read_backup(disk / backup.PREVIOUS_BACKUP_NAME, model) is not None
+            filler.unlink()
+            one_epoch()  # epoch 5: not a backup epoch, but the failed backup is retried
+            assert torch.load(disk / backup.BACKUP_NAME, weights_only=True)["epoch"] == opt.local_epoch == 5
+        finally:
+            opt.shutdown()
+            dht.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ dead p2pd
+
+
+def _load_healthcheck():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("healthcheck", Path(__file__).parents[2] / "docker/healthcheck.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_trainer_whose_p2pd_dies_reports_it_and_exits_with_status_1(tmp_path):
+    """hivemind does not notice a dead p2pd: the trainer would train alone forever and still look healthy."""
+    import psutil
+
+    from benchmarks.testbed.trainers import start_trainer, wait_for_epoch
+
+    healthcheck = _load_healthcheck()
+    trainer = start_trainer(tmp_path, "a", "p2pd_dies", extra=["--rejoin_period", "1"])
+    try:
+        wait_for_epoch(trainer, 1, timeout=120)
+        root = psutil.Process(trainer.pid)
+        assert healthcheck.trainer_problem(root) is None
+        daemons = [p for p in root.children(recursive=True) if p.name() == "p2pd"]
+        assert daemons, "no p2pd in the trainer's process tree"
+        for daemon in daemons:
+            daemon.kill()
+        killed = time.monotonic()
+        lost = trainer.events.wait("swarm_lost", timeout=30)
+        assert "p2pd" in lost["reason"] and "restarted" in lost["reason"]
+        assert healthcheck.trainer_problem(root) is not None  # unhealthy from the moment p2pd is gone
+        assert trainer.wait(timeout=60) == 1
+        assert time.monotonic() - killed < 60
+        assert "Exiting with status 1: the p2pd daemon" in trainer.log()
+        assert trainer.events.last("exiting")["code"] == 1
+        assert not trainer.wait_until_gone(timeout=15), "processes of the trainer outlived it"
+    finally:
+        trainer.kill_tree()
+
+
+# ------------------------------------------------------------------------------------ consensus vote at start-up
+
+
+def test_a_peer_that_found_nobody_yet_does_not_vote_its_fresh_epoch(tmp_path):
+    """A peer still waiting for min_peers found no record at its first fetch; meanwhile the other peer trained on
+    to epoch 16. In a pair the consensus is the lower of the two votes: had the waiting peer voted its epoch 0, it
+    would refuse the other's state as "beyond the swarm's consensus" forever (seen in a real run)."""
+    import hivemind
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    from peer.swarm.hivemind_seam import LeanHiveProgressTracker
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        tracker = LeanHiveProgressTracker(dht, "vote_run", 64, start=False)
+        assert tracker.consensus_epoch is None  # nobody reports: no consensus, and no vote of its own yet
+
+        def other_at(epoch: int) -> dict:
+            now = get_dht_time()
+            record = LocalTrainingProgress(
+                peer_id=b"other",
+                epoch=epoch,
+                samples_accumulated=8,
+                samples_per_second=100.0,
+                time=now,
+                client_mode=False,
+            )
+            return {b"other-key": ValueWithExpiration(record.dict(), now + 60)}
+
+        tracker.global_progress = tracker._parse_swarm_progress_data(other_at(16))
+        assert tracker.consensus_epoch == 16 and tracker.global_progress.epoch == 16
+        # once it holds the swarm's state (here: it started a collaboration of its own), its epoch votes again
+        tracker.mark_in_sync()
+        tracker._parse_swarm_progress_data(other_at(16))
+        assert tracker.consensus_epoch == 0
+        # and a fresh peer that finds another peer at its own epoch is in sync with it
+        fresh = LeanHiveProgressTracker(dht, "vote_run_2", 64, start=False)
+        fresh._parse_swarm_progress_data(other_at(1))
+        assert fresh._in_sync
+    finally:
+        dht.shutdown()
+
+
+def test_a_client_ends_no_epoch_alone_and_counts_its_samples_as_the_others_do(tmp_path):
+    """A client-mode joiner of a local-mode swarm started before the only serving trainer had reported (hivemind
+    publishes a trainer's progress after its first step) and ended four rounds on its own samples; nobody can
+    download a client's state, so that trainer began from the older one and the two never agreed (seen in a real
+    run). A client ends no epoch while no serving trainer reports, and counts its own samples as the others count
+    them (at most ``MAX_PEER_SHARE`` of the target), so its epochs end when theirs do."""
+    import hivemind
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    from peer.swarm.hivemind_seam import LeanHiveProgressTracker
+
+    def record(samples: int, client_mode: bool) -> dict:
+        now = get_dht_time()
+        progress = LocalTrainingProgress(
+            peer_id=b"p",
+            epoch=0,
+            samples_accumulated=samples,
+            samples_per_second=50.0,
+            time=now,
+            client_mode=client_mode,
+        )
+        return ValueWithExpiration(progress.dict(), now + 60)
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        client = LeanHiveProgressTracker(dht, "client_alone_run", 64, client_mode=True, start=False)
+        own = {client._local_public_key: record(640, client_mode=True)}  # ten targets' worth of samples
+        client.global_progress = client._parse_swarm_progress_data(own)
+        assert client.consensus_epoch is None and not client.ready_to_update_epoch
+        client.global_progress = client._parse_swarm_progress_data({**own, b"trainer": record(16, client_mode=False)})
+        assert client.consensus_epoch == 0 and client.global_progress.samples_accumulated == 32 + 16
+        # a serving trainer's own samples count in full, as before
+        trainer = LeanHiveProgressTracker(dht, "client_alone_run", 64, client_mode=False, start=False)
+        mine = {trainer._local_public_key: record(40, client_mode=False)}
+        trainer.global_progress = trainer._parse_swarm_progress_data({**mine, b"client": record(640, client_mode=True)})
+        assert trainer.global_progress.samples_accumulated == 40 + 32
+    finally:
+        dht.shutdown()

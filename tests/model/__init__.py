@@ -1,0 +1,1 @@
+"""Tests of model/: the architecture, its memory paths against plain references, generation."""

@@ -1,0 +1,1 @@
+"""Tests of peer/swarm/, the layer both peers share: arguments, data, optimizer, averaging, records, seam."""

@@ -1,0 +1,96 @@
+"""The contract of peer/swarm/hivemind_seam/ with the pinned hivemind: fails loudly when it no longer holds."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import textwrap
+from pathlib import Path
+
+import hivemind
+import pytest
+
+from peer.swarm import hivemind_seam
+from peer.swarm.hivemind_seam import averaging, dht, progress
+
+pytestmark = pytest.mark.deps  # scripts/test.sh --newest/--oldest run these
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_installed_hivemind_is_the_pinned_version():
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    pinned = re.search(r'"hivemind==([^"]+)"', pyproject).group(1)
+    assert pinned == hivemind_seam.PINNED_HIVEMIND_VERSION, (
+        f"pyproject.toml pins hivemind=={pinned} but peer/swarm/hivemind_seam/ was written against "
+        f"{hivemind_seam.PINNED_HIVEMIND_VERSION}: review every override listed in its docstring, then update both"
+    )
+    assert hivemind.__version__ == hivemind_seam.PINNED_HIVEMIND_VERSION, (
+        f"hivemind {hivemind.__version__} is installed, but LeanHive's overrides (peer/swarm/hivemind_seam/) were "
+        f"written against {hivemind_seam.PINNED_HIVEMIND_VERSION}: reinstall with `bash scripts/setup_env.sh`"
+    )
+
+
+@pytest.mark.parametrize(
+    "cls, name, expected",
+    hivemind_seam.OVERRIDDEN_METHODS,
+    ids=[f"{c.__name__}.{n}" for c, n, _ in hivemind_seam.OVERRIDDEN_METHODS],
+)
+def test_overridden_hivemind_method_keeps_its_signature(cls, name, expected):
+    method = inspect.getattr_static(cls, name, None)
+    assert method is not None, f"hivemind's {cls.__qualname__}.{name} is gone: peer/swarm/hivemind_seam/ overrides it"
+    actual = "property" if isinstance(method, property) else str(inspect.signature(getattr(cls, name)))
+    assert actual == expected, (
+        f"hivemind's {cls.__qualname__}.{name} changed its signature; peer/swarm/hivemind_seam/ overrides it.\n"
+        f"  written against: {expected}\n  installed:       {actual}"
+    )
+
+
+def _assigned_self_attributes(cls) -> set:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    found = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            found.add(node.attr)
+    return found
+
+
+@pytest.mark.parametrize(
+    "module, class_name, attribute",
+    hivemind_seam.PRIVATE_ATTRIBUTES,
+    ids=[f"{c}.{a}" for _, c, a in hivemind_seam.PRIVATE_ATTRIBUTES],
+)
+def test_private_hivemind_attribute_still_exists(module, class_name, attribute):
+    cls = getattr(importlib.import_module(module), class_name)
+    assert hasattr(cls, attribute) or attribute in _assigned_self_attributes(cls), (
+        f"hivemind's {class_name} no longer has {attribute!r}, which peer/swarm/hivemind_seam/ uses"
+    )
+
+
+def test_every_override_is_listed_in_the_seam():
+    """Each method the seam's classes define over a hivemind base is in OVERRIDDEN_METHODS (so it is pinned)."""
+    listed = {(cls, name) for cls, name, _ in hivemind_seam.OVERRIDDEN_METHODS}
+    ours = [
+        value
+        for module in (dht, averaging, progress)
+        for value in vars(module).values()
+        if inspect.isclass(value) and value.__module__ == module.__name__
+    ]
+    unlisted = []
+    for cls in ours:
+        hivemind_bases = [base for base in cls.__mro__ if base.__module__.startswith("hivemind.")]
+        own_classes = [klass for klass in cls.__mro__ if klass.__module__.startswith(hivemind_seam.__name__)]
+        for name in {name for klass in own_classes for name in vars(klass)}:
+            if (name.startswith("__") and name != "__del__") or name.startswith("_abc"):
+                continue
+            overridden = [base for base in hivemind_bases if name in vars(base)]
+            if overridden and not any(n == name and c in cls.__mro__ for c, n in listed):
+                unlisted.append(f"{cls.__name__}.{name} (over {overridden[0].__qualname__})")
+    assert not unlisted, f"overrides missing from OVERRIDDEN_METHODS: {', '.join(sorted(set(unlisted)))}"

@@ -1,0 +1,157 @@
+"""--sync_mode local (DiLoCo-style local steps + outer averaging of pseudo-gradients): its options, its outer step
+checked against a plain reference, and two real optimizers (each with its own DHT and averager processes) whose
+round with H = 1, outer lr 1 and no momentum equals parameter averaging after each peer's local step."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import hivemind
+import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from benchmarks.testbed.processes import share_tensors_by_file_descriptor
+from peer.swarm.config import CollaborationArguments, OptimizerArguments
+from peer.swarm.hivemind_seam import PseudoGradientAverager
+from peer.swarm.keys import averager_prefixes, gradient_prefix_of_mode
+from peer.swarm.optimizer import build_optimizer, make_inner_optimizer, make_outer_sgd, set_inner_learning_rate
+
+# ------------------------------------------------------------------------------------------------ options
+
+
+def test_local_mode_options_are_validated_with_a_fix():
+    assert CollaborationArguments(sync_mode="local").outer_learning_rate == 0.7
+    with pytest.raises(ValueError, match="sync_mode must be one of sync, local"):
+        CollaborationArguments(sync_mode="diloco")
+    with pytest.raises(ValueError, match="outer_learning_rate must be a positive"):
+        CollaborationArguments(sync_mode="local", outer_learning_rate=0)
+    with pytest.raises(ValueError, match=r"outer_momentum must be in \[0, 1\)"):
+        CollaborationArguments(sync_mode="local", outer_momentum=1.0)
+    with pytest.raises(ValueError, match="takes no --delay_optimizer_step"):
+        CollaborationArguments(sync_mode="local", delay_optimizer_step=True)
+
+
+def test_each_mode_averages_under_its_own_prefix():
+    sync, local = gradient_prefix_of_mode("run", "sync"), gradient_prefix_of_mode("run", "local")
+    assert sync != local and {sync, local} <= set(averager_prefixes("run"))  # both covered by the key rules
+
+
+# ---------------------------------------------------------------------------------------------- outer step
+
+
+def _reference_nesterov(shared, pseudo_grads, lr, momentum):
+    """DiLoCo's outer step written out: v <- mu v + g; theta <- theta - lr (g + mu v)."""
+    velocity = [torch.zeros_like(p) for p in shared]
+    for grads in pseudo_grads:
+        for p, v, g in zip(shared, velocity, grads):
+            v.mul_(momentum).add_(g)
+            p.sub_(lr * (g + momentum * v))
+    return shared
+
+
+def test_outer_sgd_is_nesterov_sgd_in_float64():
+    torch.manual_seed(0)
+    start = [torch.randn(5, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)]
+    rounds = [[torch.randn_like(p) for p in start] for _ in range(4)]
+    expected = _reference_nesterov([p.clone() for p in start], rounds, lr=0.7, momentum=0.9)
+    params = [p.clone() for p in start]
+    # the groups hivemind hands over carry the inner LAMB's weight decay: the outer step must not apply it
+    groups = [dict(params=params[:1], weight_decay=0.1), dict(params=params[1:], weight_decay=0.0)]
+    outer = make_outer_sgd(groups, CollaborationArguments(sync_mode="local"))
+    for grads in rounds:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        outer.step()
+    for got, want in zip(params, expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------- two optimizers
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)  # the same initialization on both peers, as --init_seed gives
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+
+
+def _local_step(model, inner, data_seed: int, epoch: int) -> None:
+    generator = torch.Generator().manual_seed(data_seed)
+    inputs, targets = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    set_inner_learning_rate(inner, epoch, OPTIM)
+    inner.step()
+    model.zero_grad(set_to_none=False)
+
+
+OPTIM = OptimizerArguments(learning_rate=1e-2, warmup_steps=0, total_steps=100, lr_schedule="constant")
+BATCH = 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging():
+    share_tensors_by_file_descriptor()
+    collab = CollaborationArguments(
+        sync_mode="local",
+        outer_learning_rate=1.0,
+        outer_momentum=0.0,
+        target_batch_size=2 * BATCH,  # one local step per peer per round
+        matchmaking_time=2.0,
+        averaging_timeout=20.0,
+        compression="none",
+        contribution_clip=0.0,  # the plain mean: exactly what parameter averaging is
+    )
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    peers = []
+    try:
+        for dht in (first, second):
+            model = _model()
+            optimizer = build_optimizer(
+                model=model,
+                dht=dht,
+                run_id="local_mode_unit",
+                signing_key=RSAPrivateKey(),
+                batch_size_per_step=BATCH,
+                collab=collab,
+                optim=OPTIM,
+                client_mode=False,
+            )
+            assert optimizer.local_updates and isinstance(optimizer.grad_averager, PseudoGradientAverager)
+            peers.append((model, optimizer, make_inner_optimizer(model, OPTIM)))
+
+        for round_index in range(2):
+            locals_after_step = []
+            for seed, (model, optimizer, inner) in enumerate(peers):
+                _local_step(model, inner, data_seed=100 * round_index + seed, epoch=optimizer.local_epoch)
+                locals_after_step.append([p.detach().clone() for p in model.parameters()])
+            expected = [torch.stack(pair).mean(0) for pair in zip(*locals_after_step)]
+
+            def finish_round(optimizer):
+                epoch, deadline = optimizer.local_epoch, time.monotonic() + 60
+                optimizer.step(batch_size=BATCH)
+                while optimizer.local_epoch == epoch and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    optimizer.step(batch_size=0)  # no new samples: waits for the other peer's report
+
+            threads = [threading.Thread(target=finish_round, args=(opt,)) for _, opt, _ in peers]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=90)
+            for model, optimizer, _ in peers:
+                assert optimizer.local_epoch == round_index + 1
+                for got, want in zip(model.parameters(), expected):
+                    torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
+                # the outer optimizer's copy is the model's (in the order of the optimizer's parameter groups)
+                want_of = {id(param): want for param, want in zip(model.parameters(), expected)}
+                shared = optimizer.grad_averager.shared_parameters
+                for got, param in zip(shared, optimizer.state_averager.main_parameters):
+                    torch.testing.assert_close(got, want_of[id(param)], rtol=0, atol=1e-6)
+    finally:
+        for _, optimizer, _ in peers:
+            optimizer.shutdown()
+        second.shutdown()
+        first.shutdown()

@@ -1,0 +1,238 @@
+"""Real trainer peers as separate processes on 127.0.0.1 (one multi-peer test at a time).
+
+Settings that hold up on a busy 2-core machine come from the ``tiny`` run preset (matchmaking 1 s,
+averaging timeout 3 s, target batch 64 with 16 per step, one torch thread per peer). Parameter
+agreement is checked on the final parameters each peer writes when it stops at ``--max_epochs``,
+with uncompressed averaging (lossy codecs make peers differ by design).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+
+import pytest
+import torch
+
+from benchmarks.testbed.faults.injection import NAN_GRAD_STEPS_ENV, NAN_PARAM_EPOCHS_ENV
+from benchmarks.testbed.processes import kill_all, wait_all
+from benchmarks.testbed.trainers import (
+    LOCAL_MODE,
+    epoch_losses,
+    final_epoch,
+    final_params,
+    max_param_difference,
+    start_trainer,
+    wait_for_epoch,
+)
+
+pytestmark = pytest.mark.slow
+
+EXACT = ["--compression", "none"]
+STARTUP = 120  # seconds for a peer to import, start its DHT and report how to join it on a loaded machine
+
+
+@pytest.fixture
+def swarm():
+    """Collects the peers a test starts and kills whatever is left of them afterwards."""
+    peers = []
+    yield peers
+    kill_all(peers)
+
+
+def _validation_loss(folder, model_config_path) -> float:
+    from model import LeanGPTForCausalLM, load_config
+    from peer.swarm.data import DataArguments, build_validation_dataset, load_tokenizer
+
+    data_args = DataArguments(max_sequence_length=64, seq_warmup_start_length=0, max_validation_blocks=256)
+    blocks = build_validation_dataset(data_args, load_tokenizer(data_args))
+    model = LeanGPTForCausalLM(load_config(str(model_config_path)))
+    model.load_state_dict(final_params(folder))
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for start in range(0, len(blocks), 32):
+            input_ids = torch.stack([b["input_ids"] for b in blocks[start : start + 32]])
+            losses.append(float(model(input_ids=input_ids, labels=input_ids).loss) * len(input_ids))
+    return sum(losses) / len(blocks)
+
+
+@pytest.mark.timeout(420)
+def test_two_peers_agree_and_match_one_peer(tmp_path, swarm):
+    """Two peers advance together, end with equal parameters, and learn as well as one peer on as many samples."""
+    epochs = "16"
+    solo = start_trainer(tmp_path, "solo", "solo_run", extra=["--max_epochs", epochs, *EXACT])
+    first = start_trainer(tmp_path, "a", "pair_run", extra=["--max_epochs", epochs, "--min_peers", "2", *EXACT])
+    swarm += [solo, first]
+    second = start_trainer(
+        tmp_path, "b", "pair_run", initial_peers=first.initial_peers(STARTUP), extra=["--max_epochs", epochs, *EXACT]
+    )
+    swarm.append(second)
+    assert wait_all([first, second, solo], timeout=360) == [0, 0, 0]
+
+    for peer in (first, second):
+        assert final_epoch(tmp_path / peer.name) == int(epochs)
+        losses = epoch_losses(peer)
+        assert max(losses) == int(epochs) - 1, f"{peer.name} did not take part up to the last epoch"
+        early, late = losses[min(losses)], losses[max(losses)]
+        assert late < early - 0.3, f"{peer.name}: training loss did not fall ({early} -> {late})"
+    # both peers took part in (almost) every epoch: epochs advanced together, not one peer alone (an epoch's number
+    # alone does not show it: a peer that trained alone also ends epochs 0..15; its tracker then counted 1 peer)
+    for peer in (first, second):
+        together = [e["epoch"] for e in peer.events.all("epoch_done") if e["peers"] >= 2]
+        assert len(together) >= int(epochs) // 2, f"{peer.name} ended most epochs alone: only {together} with 2 peers"
+    assert len(set(epoch_losses(first)) & set(epoch_losses(second))) >= int(epochs) // 2
+    assert max_param_difference([tmp_path / "a", tmp_path / "b"]) <= 1e-6
+
+    model_config = tmp_path / "tiny_model.json"
+    pair_loss = _validation_loss(tmp_path / "a", model_config)
+    solo_loss = _validation_loss(tmp_path / "solo", model_config)
+    print(
+        f"\nvalidation loss after {epochs} epochs x 64 samples: 1 peer {solo_loss:.4f}, 2 peers {pair_loss:.4f} "
+        f"(relative difference {abs(pair_loss - solo_loss) / solo_loss:.2%})"
+    )
+    assert abs(pair_loss - solo_loss) <= 0.03 * solo_loss
+
+
+@pytest.mark.timeout(420)
+def test_three_peers_with_a_late_joiner(tmp_path, swarm):
+    """Two peers start, a third joins later: it reaches their global epoch and all end with equal parameters."""
+    # the pair must still be training once the late joiner has imported and started: that takes 10-40 s on a
+    # loaded 2-core machine, and the pair does an epoch every ~1.6 s
+    epochs = "40"
+    first = start_trainer(tmp_path, "a", "trio", extra=["--max_epochs", epochs, "--min_peers", "2", *EXACT])
+    swarm.append(first)
+    initial_peers = first.initial_peers(STARTUP)
+    second = start_trainer(tmp_path, "b", "trio", initial_peers=initial_peers, extra=["--max_epochs", epochs, *EXACT])
+    swarm.append(second)
+    wait_for_epoch(second, 1, timeout=240)  # the late joiner's start-up takes longer than another epoch
+    initial_peers += second.initial_peers()
+    late = start_trainer(tmp_path, "c", "trio", initial_peers=initial_peers, extra=["--max_epochs", epochs, *EXACT])
+    swarm.append(late)
+    joined_at = int(
+        late.events.wait(
+            "state_loaded", timeout=STARTUP, where=lambda e: e["source"] == "swarm" and e["reason"] == "join"
+        )["epoch"]
+    )
+    assert joined_at >= 2
+
+    assert wait_all([first, second, late], timeout=300) == [0, 0, 0]
+    for name in "abc":
+        assert final_epoch(tmp_path / name) == int(epochs)
+    # a slower peer may skip an epoch now and then (it catches up by downloading the state), but it trains along
+    contributed = [epoch for epoch in epoch_losses(late) if epoch >= joined_at]
+    assert len(contributed) >= 3, f"the late joiner hardly trained after joining: {contributed}"
+    assert max_param_difference([tmp_path / "a", tmp_path / "b", tmp_path / "c"]) <= 1e-6
+
+
+@pytest.mark.timeout(300)
+def test_sigkilled_peer_leaves_nothing_and_others_go_on(tmp_path, swarm):
+    """A peer killed with SIGKILL leaves no process behind; the others keep advancing (compressed averaging)."""
+    first = start_trainer(tmp_path, "a", "kill", extra=["--max_epochs", "10", "--min_peers", "3"])
+    swarm.append(first)
+    initial_peers = first.initial_peers(STARTUP)
+    others = [
+        start_trainer(tmp_path, name, "kill", initial_peers=initial_peers, extra=["--max_epochs", "10"])
+        for name in ("b", "victim")
+    ]
+    swarm += others
+    second, victim = others
+    victim.events.wait("epoch_done", timeout=180, count=2)
+    tree = victim.snapshot_tree()
+    assert len(tree) >= 3, "expected the peer, its DHT and averager processes"
+    killed_at = max(epoch_losses(victim))
+    victim.kill()
+    survivors = victim.wait_until_gone(timeout=10)
+    assert not survivors, f"processes of the killed peer are still running: {survivors}"
+
+    assert wait_all([first, second], timeout=240) == [0, 0]
+    for peer in (first, second):
+        assert final_epoch(tmp_path / peer.name) == 10
+        assert max(epoch_losses(peer)) > killed_at + 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", pytest.param("local", marks=pytest.mark.local_mode)])
+def test_nan_gradients_and_parameters_are_survived(tmp_path, swarm, mode):
+    """NaN gradients are skipped and counted; NaN parameters are restored; every peer stays finite and both end at
+    the final epoch with the same parameters (in local mode: the shared ones, after the last round)."""
+    faults = {NAN_GRAD_STEPS_ENV: "3,4,9", NAN_PARAM_EPOCHS_ENV: "4"}
+    common = ["--max_epochs", "8", "--backup_every_epochs", "2", *EXACT, *(LOCAL_MODE if mode == "local" else [])]
+    first = start_trainer(tmp_path, "a", "nan", extra=[*common, "--min_peers", "2"])
+    swarm.append(first)
+    faulty = start_trainer(
+        tmp_path, "faulty", "nan", initial_peers=first.initial_peers(STARTUP), env=faults, extra=common
+    )
+    swarm.append(faulty)
+    assert wait_all([first, faulty], timeout=240) == [0, 0]
+
+    log = faulty.log()
+    assert "FAULT INJECTION: NaN gradient at local step 3" in log
+    assert "Skipping local step 9: NaN/inf loss or gradients (3 skipped so far)" in log
+    assert "FAULT INJECTION: NaN parameter at global epoch 4" in log
+    assert "Recovered by loading the swarm's state" in log
+    assert faulty.events.all("state_loaded", where=lambda e: e["source"] == "swarm" and e["reason"] == "recovery")
+    for name in ("a", "faulty"):
+        params = final_params(tmp_path / name)
+        assert all(torch.isfinite(t).all() for t in params.values()), f"{name} ended with NaN/inf parameters"
+        assert final_epoch(tmp_path / name) == 8
+    assert max_param_difference([tmp_path / "a", tmp_path / "faulty"]) <= 1e-6
+
+
+def _check_published_metrics(initial_peers, run_id):
+    """Another peer (here: the test process) reads the trainer's signed per-epoch metrics from the DHT."""
+    import hivemind
+
+    from benchmarks.testbed.processes import share_tensors_by_file_descriptor
+    from peer.swarm.network import make_validators
+    from peer.swarm.records import fetch_metrics
+
+    share_tensors_by_file_descriptor()
+    validators, _ = make_validators(run_id, hivemind.utils.crypto.RSAPrivateKey())
+    reader = hivemind.DHT(
+        start=True,
+        initial_peers=initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        client_mode=True,
+        record_validators=validators,
+    )
+    try:
+        metrics = fetch_metrics(reader, run_id, timeout=15)
+    finally:
+        reader.shutdown()
+    assert len(metrics) == 1, metrics
+    (record,) = metrics.values()
+    assert record.epoch >= 1 and record.mini_steps >= 1 and record.samples_accumulated >= 16
+    assert 0 < record.loss / record.mini_steps < 10 and record.samples_per_second > 0
+
+
+@pytest.mark.timeout(240)
+def test_lone_peer_recovers_from_backup_stops_on_sigterm_and_resumes(tmp_path, swarm):
+    """Alone, NaN parameters come back from the local backup; SIGTERM: backup, exit 0; a restart resumes."""
+    peer = start_trainer(tmp_path, "a", "term", env={NAN_PARAM_EPOCHS_ENV: "3"}, extra=["--backup_every_epochs", "2"])
+    swarm.append(peer)
+    peer.events.wait(
+        "state_loaded",
+        timeout=STARTUP,
+        where=lambda e: e["source"] == "backup" and e["reason"] == "recovery" and e["epoch"] == 2,
+    )
+    wait_for_epoch(peer, 4, timeout=60)
+    _check_published_metrics(peer.initial_peers(), "term")
+    assert peer.stop(signal.SIGTERM, timeout=30) == 0
+    log = peer.log()
+    assert "Received SIGTERM" in log and "Leaving the swarm" in log and "Shut down cleanly" in log
+    assert [e["code"] for e in peer.events.all("exiting")] == [0]
+    assert not peer.wait_until_gone(timeout=10)
+    stopped_at = final_epoch(tmp_path / "a")
+    assert stopped_at >= 5
+
+    again = start_trainer(tmp_path, "a", "term", extra=["--max_epochs", str(stopped_at + 1)])
+    swarm.append(again)
+    again.events.wait(
+        "state_loaded",
+        timeout=STARTUP,
+        where=lambda e: e["source"] == "backup" and e["reason"] == "join" and e["epoch"] == stopped_at,
+    )
+    assert again.wait(timeout=120) == 0
+    assert final_epoch(tmp_path / "a") == stopped_at + 1
+    assert math.isfinite(max(epoch_losses(again).values()))
