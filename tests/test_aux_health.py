@@ -3,6 +3,7 @@ swarm numbers (only growth the aux peer saw, and only growth the time allows; re
 and lagging peers, Prometheus series with bounded cardinality and cumulative histograms that `promtool check
 metrics` accepts; the example alert rules pass `promtool check rules` and their own `promtool test rules`."""
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -173,6 +174,15 @@ def test_the_trainer_side_counter_and_its_log_line():
     counter.round_joined()
     counter.round_ended("ok", group_size=2)
     assert line.format(counter.snapshot()).startswith("swarm health: rounds 1 ok / 0 failed, compute share n/a")
+    # what a forked averager process adds is seen by the trainer's process
+    pid = os.fork()
+    if pid == 0:
+        counter.add_time("allreduce", 2.5)
+        counter.round_ended("partial", group_size=4)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    snapshot = counter.snapshot()
+    assert snapshot.allreduce_seconds == 2.5 and snapshot.failed_partial == 1 and snapshot.last_group_size == 4
     with pytest.raises(ValueError, match="outcome"):
         counter.round_ended("lost")
     with pytest.raises(ValueError, match="sync_mode"):

@@ -1,22 +1,25 @@
 """One trainer's averaging health: rounds joined and how each ended, where its time went, bytes on the wire.
 
-The counters are totals since the peer started (a missed report loses nothing; readers take differences). The
-averager (hivemind's background thread) reports rounds, matchmaking and all-reduce times and bytes; the training
-loop reports compute, blocked wait and the optimizer's update. ``snapshot`` turns them into the ``RoundHealth``
-that goes into the peer's signed metrics record, and ``HealthLine`` into the short line a volunteer sees in the log.
+The counters are totals since the peer started (a missed report loses nothing; readers take differences). They
+live in shared memory, created before hivemind forks its averager processes, so that what the averagers measure
+(all-reduce times, partial rounds) and what the training loop measures (compute, blocked wait, the optimizer's
+update, round outcomes) add up in one place. ``snapshot`` turns them into the ``RoundHealth`` that goes into the
+peer's signed metrics record, and ``HealthLine`` into the short line a volunteer sees in the log.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import threading
+import multiprocessing
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Optional
 
 from peer.swarm.records import REACHABILITY, SYNC_MODES, RoundHealth
 
 OUTCOMES = ("ok", "no_group", "timeout", "partial")
 PHASES = ("compute", "wait", "matchmaking", "allreduce", "optimizer")
+# slots of the shared array: doubles hold every integer count exactly up to 2**53
+_SLOTS = {name: index for index, name in enumerate(("joined", *OUTCOMES, *PHASES, "sent", "received", "group"))}
 
 
 def leanhive_version() -> str:
@@ -28,18 +31,15 @@ def leanhive_version() -> str:
 
 @dataclass
 class RoundHealthCounter:
-    """Thread-safe totals; every method is cheap enough for the training loop and the averager's thread."""
+    """Totals in shared memory: every method is cheap and safe from the training loop, hivemind's threads and the
+    averager processes forked after the counter was created."""
 
     sync_mode: str
     reachability: str = "public"
     version: str = field(default_factory=leanhive_version)
-    _rounds: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0), repr=False)
-    _joined: int = field(default=0, repr=False)
-    _seconds: Dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0), repr=False)
-    _sent: int = field(default=0, repr=False)
-    _received: int = field(default=0, repr=False)
-    _last_group_size: int = field(default=0, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _values: "multiprocessing.Array" = field(
+        default_factory=lambda: multiprocessing.get_context("fork").Array("d", len(_SLOTS)), repr=False
+    )
 
     def __post_init__(self):
         if self.sync_mode not in SYNC_MODES:
@@ -47,49 +47,53 @@ class RoundHealthCounter:
         if self.reachability not in REACHABILITY:
             raise ValueError(f"reachability must be one of {REACHABILITY}, got {self.reachability!r}")
 
+    def _add(self, slot: str, amount: float) -> None:
+        with self._values.get_lock():
+            self._values[_SLOTS[slot]] += amount
+
     def round_joined(self) -> None:
-        with self._lock:
-            self._joined += 1
+        self._add("joined", 1)
 
     def round_ended(self, outcome: str, group_size: int = 0) -> None:
         """``outcome``: ok, no_group (matchmaking found nobody), timeout or partial (some parts never arrived)."""
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
-        with self._lock:
-            self._rounds[outcome] += 1
-            self._last_group_size = max(0, int(group_size))
+        with self._values.get_lock():
+            self._values[_SLOTS[outcome]] += 1
+            self._values[_SLOTS["group"]] = max(0, int(group_size))
 
     def add_time(self, phase: str, seconds: float) -> None:
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-        with self._lock:
-            self._seconds[phase] += max(0.0, float(seconds))
+        self._add(phase, max(0.0, float(seconds)))
 
     def add_bytes(self, sent: int = 0, received: int = 0) -> None:
-        with self._lock:
-            self._sent += max(0, int(sent))
-            self._received += max(0, int(received))
+        with self._values.get_lock():
+            self._values[_SLOTS["sent"]] += max(0, int(sent))
+            self._values[_SLOTS["received"]] += max(0, int(received))
 
     def snapshot(self) -> RoundHealth:
-        with self._lock:
-            return RoundHealth(
-                rounds_joined=max(self._joined, sum(self._rounds.values())),
-                rounds_ok=self._rounds["ok"],
-                failed_no_group=self._rounds["no_group"],
-                failed_timeout=self._rounds["timeout"],
-                failed_partial=self._rounds["partial"],
-                last_group_size=self._last_group_size,
-                compute_seconds=self._seconds["compute"],
-                wait_seconds=self._seconds["wait"],
-                matchmaking_seconds=self._seconds["matchmaking"],
-                allreduce_seconds=self._seconds["allreduce"],
-                optimizer_seconds=self._seconds["optimizer"],
-                bytes_sent=self._sent,
-                bytes_received=self._received,
-                reachability=self.reachability,
-                sync_mode=self.sync_mode,
-                version=self.version,
-            )
+        with self._values.get_lock():
+            values = {name: self._values[index] for name, index in _SLOTS.items()}
+        count = {name: int(values[name]) for name in ("joined", *OUTCOMES, "sent", "received", "group")}
+        return RoundHealth(
+            rounds_joined=max(count["joined"], sum(count[outcome] for outcome in OUTCOMES)),
+            rounds_ok=count["ok"],
+            failed_no_group=count["no_group"],
+            failed_timeout=count["timeout"],
+            failed_partial=count["partial"],
+            last_group_size=count["group"],
+            compute_seconds=values["compute"],
+            wait_seconds=values["wait"],
+            matchmaking_seconds=values["matchmaking"],
+            allreduce_seconds=values["allreduce"],
+            optimizer_seconds=values["optimizer"],
+            bytes_sent=count["sent"],
+            bytes_received=count["received"],
+            reachability=self.reachability,
+            sync_mode=self.sync_mode,
+            version=self.version,
+        )
 
 
 def compute_share(compute_seconds: float, wait_seconds: float) -> Optional[float]:
