@@ -14,6 +14,7 @@ samples stay in the total).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
@@ -22,6 +23,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, Mapping, Optional, Tuple
 
+from aux_monitor.health import HealthTotals, Histogram, PeerHealthTrack, new_histograms, track_health
 from peer.swarm.hivemind_seam import MAX_CLOCK_SKEW
 from peer.swarm.records import LocalMetrics
 
@@ -29,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 MAX_EPOCH_LEAD = 3  # a record may be this many epochs ahead of the swarm's consensus (a median: fast honest
 # peers run a few epochs ahead of it between two refreshes)
+FAILING_SHARE = 0.5  # a peer whose rounds fail more often than this is marked on the dashboard
+FAILING_MIN_ROUNDS = 3  # ... once it ended at least this many rounds while the aux peer watched
+LAGGING_EPOCHS = 2  # an alive peer this many epochs behind the swarm's newest is marked as lagging
 
 
 def peer_label(subkey: bytes) -> str:
@@ -49,6 +54,18 @@ class EpochStats:
 
 
 @dataclass(frozen=True)
+class PeerHealth:
+    """One trainer's averaging health while the aux peer watched it (``aux_monitor.health``)."""
+
+    totals: HealthTotals
+    last_group_size: int
+    reachability: str
+    sync_mode: str
+    version: str
+    mark: Optional[str]  # "failing" (most rounds fail), "lagging" (behind the swarm's epoch) or None
+
+
+@dataclass(frozen=True)
 class PeerStats:
     """One trainer's standing (a row of the contributor leaderboard)."""
 
@@ -59,6 +76,7 @@ class PeerStats:
     loss: Optional[float]  # its mean micro-step loss in the last epoch it reported (None if no steps)
     last_seen: float  # DHT time of its latest record
     alive: bool
+    health: Optional[PeerHealth] = None  # None for trainers of LeanHive versions that do not report it
 
 
 @dataclass(frozen=True)
@@ -69,6 +87,8 @@ class TimePoint:
     alive_peers: int
     samples_per_second: float
     global_epoch: Optional[int]
+    rounds_ok: int = 0  # the swarm's rounds while the aux peer watched, up to this refresh
+    rounds_failed: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +104,8 @@ class SwarmSnapshot:
     peers: Tuple[PeerStats, ...]  # leaderboard, most samples first
     epochs: Tuple[EpochStats, ...]  # loss curve, oldest epoch first
     timeline: Tuple[TimePoint, ...]  # one point per refresh, oldest first
+    health: HealthTotals = field(default_factory=HealthTotals)  # every trainer's, while the aux peer watched
+    histograms: Dict[str, Histogram] = field(default_factory=new_histograms)  # see aux_monitor.health
 
     @classmethod
     def empty(cls, now: float = 0.0) -> "SwarmSnapshot":
@@ -137,6 +159,9 @@ class MetricsAggregator:
     _peers: Dict[str, _PeerTrack] = field(default_factory=dict, repr=False)
     _timeline: Deque[TimePoint] = field(default_factory=deque, repr=False)
     _forgotten_samples: int = field(default=0, repr=False)
+    _health: Dict[str, PeerHealthTrack] = field(default_factory=dict, repr=False)
+    _forgotten_health: HealthTotals = field(default_factory=HealthTotals, repr=False)
+    _histograms: Dict[str, Histogram] = field(default_factory=new_histograms, repr=False)
     _logged: set = field(default_factory=set, repr=False)
 
     def __post_init__(self):
@@ -185,6 +210,9 @@ class MetricsAggregator:
         for peer in [p for p, track in self._peers.items() if now - track.latest.time > self.forget_after]:
             track = self._peers.pop(peer)
             self._forgotten_samples += track.samples_before_restarts + track.latest.samples_total
+            health = self._health.pop(peer, None)
+            if health is not None:
+                self._forgotten_health.add(health.totals)
 
     def _merge(self, peer: str, record: LocalMetrics) -> None:
         epoch_table = self._by_epoch.get(record.epoch)
@@ -197,6 +225,8 @@ class MetricsAggregator:
             epoch_table[peer] = record
 
         track = self._peers.get(peer)
+        if track is None or record.time >= track.latest.time:
+            track_health(self._health, self._histograms, peer, record, record.time)
         if track is None:
             self._peers[peer] = _PeerTrack(latest=record)
         elif record.time >= track.latest.time:
@@ -204,8 +234,30 @@ class MetricsAggregator:
                 track.samples_before_restarts += track.latest.samples_total
             track.latest = record
 
+    def _peer_health(self, name: str, epoch: int, alive: bool, newest: Optional[int]) -> Optional[PeerHealth]:
+        track = self._health.get(name)
+        if track is None:
+            return None
+        totals = track.totals
+        mark = None
+        ended = totals.rounds_ok + totals.rounds_failed
+        if ended >= FAILING_MIN_ROUNDS and totals.rounds_failed > FAILING_SHARE * ended:
+            mark = "failing"
+        elif alive and newest is not None and epoch <= newest - LAGGING_EPOCHS:
+            mark = "lagging"
+        latest = track.latest
+        return PeerHealth(
+            totals=totals,
+            last_group_size=latest.last_group_size,
+            reachability=latest.reachability,
+            sync_mode=latest.sync_mode,
+            version=latest.version,
+            mark=mark,
+        )
+
     def _snapshot(self, now: float) -> SwarmSnapshot:
         peers = []
+        newest = max(self._by_epoch) if self._by_epoch else None
         for name, track in self._peers.items():
             r = track.latest
             alive = now - r.time <= self.alive_window
@@ -218,16 +270,28 @@ class MetricsAggregator:
                     loss=r.loss if r.mini_steps else None,
                     last_seen=r.time,
                     alive=alive,
+                    health=self._peer_health(name, r.epoch, alive, newest),
                 )
             )
         peers.sort(key=lambda p: (-p.samples_total, p.peer))
         epochs = tuple(summarize_epoch(e, table.values()) for e, table in self._by_epoch.items())
         with_steps = [e for e in epochs if not math.isnan(e.loss)]
-        global_epoch = max(self._by_epoch) if self._by_epoch else None
+        global_epoch = newest
         alive_peers = sum(p.alive for p in peers)
         throughput = sum(p.samples_per_second for p in peers)
+        health = HealthTotals()
+        health.add(self._forgotten_health)
+        for track in self._health.values():
+            health.add(track.totals)
         self._timeline.append(
-            TimePoint(time=now, alive_peers=alive_peers, samples_per_second=throughput, global_epoch=global_epoch)
+            TimePoint(
+                time=now,
+                alive_peers=alive_peers,
+                samples_per_second=throughput,
+                global_epoch=global_epoch,
+                rounds_ok=health.rounds_ok,
+                rounds_failed=health.rounds_failed,
+            )
         )
         while len(self._timeline) > self.max_timeline:
             self._timeline.popleft()
@@ -241,4 +305,6 @@ class MetricsAggregator:
             peers=tuple(peers),
             epochs=epochs,
             timeline=tuple(self._timeline),
+            health=health,
+            histograms=copy.deepcopy(self._histograms),
         )

@@ -35,6 +35,7 @@ from peer.swarm.keys import (
 __all__ = [
     "FINGERPRINT_SIZE",
     "LocalMetrics",
+    "RoundHealth",
     "RoundFingerprint",
     "RoundFingerprints",
     "fetch_fingerprints",
@@ -64,6 +65,56 @@ FINGERPRINT_HISTORY = 3  # rounds one record covers: a peer may read a round's r
 FINGERPRINT_EXPIRATION = 120.0
 
 
+# Bounds of the round-health counters: far above what an honest peer reaches in years (a round a second for 30
+# years, 10 Gbit/s for a year), so that no claim overflows a sum or a float on the aux peer's side
+MAX_ROUNDS = 10**9
+MAX_SECONDS = 1e9
+MAX_BYTES = 4 * 10**16
+MAX_GROUP_SIZE = 4096
+SYNC_MODES = ("sync", "local")
+REACHABILITY = ("public", "client")
+
+
+class RoundHealth(pydantic.BaseModel):
+    """A trainer's averaging health: totals since it started (``peer.swarm.round_health``), so that a record the
+    aux peer misses loses nothing; the aux peer takes differences between the records it reads."""
+
+    rounds_joined: pydantic.conint(ge=0, le=MAX_ROUNDS, strict=True)  # averaging rounds it tried to take part in
+    rounds_ok: pydantic.conint(ge=0, le=MAX_ROUNDS, strict=True)
+    failed_no_group: pydantic.conint(ge=0, le=MAX_ROUNDS, strict=True)  # matchmaking found nobody in time
+    failed_timeout: pydantic.conint(ge=0, le=MAX_ROUNDS, strict=True)  # the all-reduce did not finish in time
+    failed_partial: pydantic.conint(ge=0, le=MAX_ROUNDS, strict=True)  # some peers' parts never arrived
+    last_group_size: pydantic.conint(ge=0, le=MAX_GROUP_SIZE, strict=True)  # peers in its last group (0: none)
+    compute_seconds: pydantic.confloat(ge=0.0, le=MAX_SECONDS, strict=True)  # forward and backward passes
+    wait_seconds: pydantic.confloat(ge=0.0, le=MAX_SECONDS, strict=True)  # training blocked on the swarm
+    matchmaking_seconds: pydantic.confloat(ge=0.0, le=MAX_SECONDS, strict=True)
+    allreduce_seconds: pydantic.confloat(ge=0.0, le=MAX_SECONDS, strict=True)
+    optimizer_seconds: pydantic.confloat(ge=0.0, le=MAX_SECONDS, strict=True)  # the optimizer's update itself
+    bytes_sent: pydantic.conint(ge=0, le=MAX_BYTES, strict=True)  # averaging parts and state served
+    bytes_received: pydantic.conint(ge=0, le=MAX_BYTES, strict=True)  # averaging parts and state downloaded
+    reachability: pydantic.constr(regex=r"^(public|client)$", strict=True)
+    sync_mode: pydantic.constr(regex=r"^(sync|local)$", strict=True)
+    version: pydantic.constr(regex=r"^[0-9A-Za-z.+-]{1,32}$", strict=True)  # the LeanHive version it runs
+
+    @pydantic.validator(
+        "compute_seconds", "wait_seconds", "matchmaking_seconds", "allreduce_seconds", "optimizer_seconds"
+    )
+    def _finite(cls, value):
+        if not math.isfinite(value):
+            raise ValueError("must be finite")
+        return value
+
+    @pydantic.root_validator(skip_on_failure=True)
+    def _outcomes_within_rounds(cls, values):
+        outcomes = sum(values[name] for name in ("rounds_ok", "failed_no_group", "failed_timeout", "failed_partial"))
+        if outcomes > values["rounds_joined"]:
+            raise ValueError(f"{outcomes} round outcomes for {values['rounds_joined']} rounds joined")
+        return values
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
 class LocalMetrics(pydantic.BaseModel):
     """What one trainer reports about one global epoch it took part in."""
 
@@ -74,6 +125,7 @@ class LocalMetrics(pydantic.BaseModel):
     mini_steps: pydantic.conint(ge=0, strict=True)  # number of micro-steps averaged into loss
     samples_total: pydantic.conint(ge=0, strict=True) = 0  # all samples this peer contributed so far
     time: pydantic.confloat(ge=0.0, strict=True) = 0.0  # DHT time of the report
+    health: Optional[RoundHealth] = None  # absent in records of LeanHive versions before it
 
     @pydantic.validator("samples_per_second", "loss", "time")
     def _finite(cls, value):

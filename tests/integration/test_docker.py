@@ -123,6 +123,9 @@ def test_compose_file_matches_the_compose_schema():
     prometheus = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
     targets = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
     assert targets == [f"aux:{services['aux']['environment']['LEANHIVE_METRICS_PORT']}"]
+    # and loads the example alert rules, mounted beside its configuration
+    assert prometheus["rule_files"] == ["alerts.yml"]
+    assert "./alerts.yml:/etc/prometheus/alerts.yml:ro" in services["prometheus"]["volumes"]
 
 
 def test_peer_address_helper_matches_the_dht_peer_id(tmp_path):
@@ -368,7 +371,10 @@ def _compose_override(images: dict, folder: Path) -> tuple:
                     "--storage.tsdb.path=/prometheus",
                     f"--web.listen-address=127.0.0.1:{ports['prometheus']}",
                 ],
-                "volumes": [f"{folder / 'prometheus.yml'}:/etc/prometheus/prometheus.yml:ro"],
+                "volumes": [
+                    f"{folder / 'prometheus.yml'}:/etc/prometheus/prometheus.yml:ro",
+                    f"{DOCKER / 'alerts.yml'}:/etc/prometheus/alerts.yml:ro",
+                ],
             },
         }
     }
