@@ -18,7 +18,7 @@ from aux_monitor.state import MonitorState
 from peer.swarm.records import LocalMetrics, RoundHealth
 from peer.swarm.round_health import HealthLine, RoundHealthCounter
 
-DOCKER = Path(__file__).resolve().parents[1] / "docker"
+DOCKER = Path(__file__).resolve().parents[2] / "docker"
 promtool = pytest.mark.skipif(
     shutil.which("promtool") is None, reason="needs promtool (Debian package prometheus; scripts/setup_env.sh --test)"
 )
