@@ -1,8 +1,7 @@
 """Fault injection for tests, driven by environment variables (no CLI flag: users never need it).
 
 Only the test entry point ``tests/support/fault_trainer.py`` acts on these (its ``FaultyTrainerPeer`` and
-``FaultyGradientAverager`` call the functions below from the trainer's extension points); ``run_trainer.py``
-cannot inject faults. ``tests.support.trainers.start_trainer`` starts that entry point whenever the
+``FaultyGradientAverager`` subclasses call the functions below); ``run_trainer.py`` cannot inject faults. ``tests.support.trainers.start_trainer`` starts that entry point whenever the
 environment it is given holds one of these variables.
 
 - ``LEANHIVE_FAULT_NAN_GRAD_STEPS=3,4``: after backward at these local steps, one gradient becomes NaN.
