@@ -248,10 +248,12 @@ def test_trainer_steps_with_per_block_grad_scaling_in_fp16():
     from model import LeanGPTForCausalLM, apply_memory_options
     from peer.grad_scaling import BlockScalePolicy, PerBlockGradScaler
     from peer.model_setup import Placement
+    from peer.strategies import SyncTraining
     from peer.swarm.config import TrainingArguments
     from peer.swarm.data import DataArguments
+    from peer.swarm.lifecycle import PeerControl
     from peer.swarm.network import NetworkArguments
-    from peer.trainer import EpochStats, TrainerConfig, TrainerPeer
+    from peer.trainer import EpochStats, TrainerConfig, TrainerPeer, batch_size_per_step
     from tests.support.model import VOCAB, small_config
 
     share_tensors_by_file_descriptor()
@@ -264,13 +266,21 @@ def test_trainer_steps_with_per_block_grad_scaling_in_fp16():
             precision="fp16", per_block_grad_scaling=True, per_device_batch_size=2, gradient_accumulation_steps=2
         )
         collab = CollaborationArguments(target_batch_size=4, matchmaking_time=1.0)
-        peer = TrainerPeer(TrainerConfig(NetworkArguments(), collab, OptimizerArguments(), training, DataArguments()))
-        peer.model, peer.optimizer = model, opt
-        peer.placement = Placement(device=torch.device("cpu"), autocast_dtype=torch.float16)
-        # torch's policy (no headroom check), every step: each block's factor moves at every step
-        peer.block_scaler = PerBlockGradScaler(model, BlockScalePolicy(growth_interval=1, growth_headroom=0))
         generator = torch.Generator().manual_seed(0)
-        peer._batches = iter(lambda: {"input_ids": torch.randint(0, VOCAB, (2, 16), generator=generator)}, None)
+        peer = TrainerPeer(
+            config=TrainerConfig(NetworkArguments(), collab, OptimizerArguments(), training, DataArguments()),
+            control=PeerControl(),
+            dht=dht,
+            public_key=b"",
+            watchdog=None,
+            model=model,
+            placement=Placement(device=torch.device("cpu"), autocast_dtype=torch.float16),
+            optimizer=opt,
+            strategy=SyncTraining(opt, batch_size_per_step(training)),
+            batches=iter(lambda: {"input_ids": torch.randint(0, VOCAB, (2, 16), generator=generator)}, None),
+            # torch's policy (no headroom check), every step: each block's factor moves at every step
+            block_scaler=PerBlockGradScaler(model, BlockScalePolicy(growth_interval=1, growth_headroom=0)),
+        )
         before = [p.detach().clone() for p in model.parameters()]
         stats = EpochStats(epoch=opt.local_epoch)
         for _ in range(3):
@@ -445,21 +455,17 @@ _STUCK_PEER = textwrap.dedent("""
     import peer.swarm.lifecycle as cli
 
     class StuckPeer:  # its step never ends by itself, like an all-reduce waiting out a long averaging_timeout
-        def __init__(self):
-            self.stop_requested, self.running = threading.Event(), False
-        def start(self):
-            self.running = True
+        @classmethod
+        def build(cls, control, parts):
+            parts.callback(print, "backup written", flush=True)
+            return cls()
         def run(self):
             print("running", flush=True)
             threading.Event().wait()
-        def request_stop(self):
-            self.stop_requested.set()
-        def shutdown(self):
-            print("backup written", flush=True)
 
     logging.basicConfig(level=logging.INFO)
     cli.STOP_GRACE_SECONDS = float(sys.argv[1])
-    cli.run_peer(StuckPeer())
+    cli.run_peer(StuckPeer.build)
 """)
 
 
@@ -480,31 +486,29 @@ def test_a_stop_signal_interrupts_a_step_that_overruns_the_grace_period(tmp_path
 
 
 _SWALLOWING_PEER = textwrap.dedent("""
-    import logging, sys, threading
+    import functools, logging, sys, threading
     import peer.swarm.lifecycle as cli
 
     class SwallowingPeer:  # the stop-now KeyboardInterrupt lands where Python only prints it, like an at-fork hook
-        def __init__(self, after):
-            self.stop_requested, self.running, self.after = threading.Event(), False, after
-        def start(self):
+        def __init__(self, control):
+            self.control = control
+        @classmethod
+        def build(cls, after, control, parts):
+            parts.callback(print, "backup written", flush=True)
             print("joining", flush=True)
             try:
                 threading.Event().wait()
             except KeyboardInterrupt:
                 print("interrupt swallowed", flush=True)
-            if self.after == "stuck":  # still joining: only a second interrupt gets it out
+            if after == "stuck":  # still joining: only a second interrupt gets it out
                 threading.Event().wait()
+            return cls(control)
         def run(self):
-            self.running = True
-            print("run entered, stop requested:", self.stop_requested.is_set(), flush=True)
-        def request_stop(self):
-            self.stop_requested.set()
-        def shutdown(self):
-            print("backup written", flush=True)
+            print("run entered, stop requested:", self.control.stop_requested.is_set(), flush=True)
 
     logging.basicConfig(level=logging.INFO)
     cli.STOP_RETRY_SECONDS = 1.0
-    cli.run_peer(SwallowingPeer(sys.argv[1]))
+    cli.run_peer(functools.partial(SwallowingPeer.build, sys.argv[1]))
 """)
 
 

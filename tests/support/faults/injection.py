@@ -1,8 +1,9 @@
 """Fault injection for tests, driven by environment variables (no CLI flag: users never need it).
 
 Only the test entry point ``tests/support/fault_trainer.py`` acts on these (its ``FaultyTrainerPeer`` and
-``FaultyGradientAverager`` subclasses call the functions below); ``run_trainer.py`` cannot inject faults. ``tests.support.trainers.start_trainer`` starts that entry point whenever the
-environment it is given holds one of these variables.
+``FaultyGradientAverager`` subclasses call the functions below); ``run_trainer.py`` cannot inject faults.
+``tests.support.trainers.start_trainer`` starts that entry point whenever the environment it is given holds one of
+these variables.
 
 - ``LEANHIVE_FAULT_NAN_GRAD_STEPS=3,4``: after backward at these local steps, one gradient becomes NaN.
 - ``LEANHIVE_FAULT_NAN_PARAM_EPOCHS=2``: the first time the peer reaches these global epochs, one parameter
