@@ -399,24 +399,6 @@ def test_states_with_nan_values_are_neither_served_nor_applied(monkeypatch):
             dht.shutdown()
 
 
-def test_state_download_is_retried_while_the_peers_catch_up():
-    """The peers that answer may be a moment behind (hivemind refuses their state): the download is retried."""
-    from peer.swarm.joining import download_state
-
-    class _Optimizer:
-        def __init__(self, answers):
-            self.answers, self.calls = iter(answers), 0
-
-        def load_state_checked(self):
-            self.calls += 1
-            return next(self.answers)
-
-    late = _Optimizer([False, False, True])
-    assert download_state(late, attempts=3, pause=0.01) and late.calls == 3
-    never = _Optimizer([False] * 5)
-    assert not download_state(never, attempts=2, pause=0.01) and never.calls == 2
-
-
 # ---------------------------------------------------------------------------------------- process guard
 
 _GUARDED = textwrap.dedent("""

@@ -59,7 +59,9 @@ class CollaborationArguments:
     """At max_epochs, wait at most this long for the other peers to get there too, then all take the same
     final parameters (from the peer elected by state-sharing priority); 0 skips this final barrier."""
     load_state_attempts: int = 3
-    """Tries to download the swarm's state when joining before training on with the local state."""
+    """At most this many peer downloads each time this peer needs the swarm's state (joining, recovering, re-syncing),
+    each from the next best peer; once all were asked, they are asked again after a pause (a peer a moment behind may
+    be ready then). Joining then trains on from the local state."""
     contribution_clip: float = 4.0
     """Robust averaging: NaN/inf contributions are dropped and each peer's deviation from the coordinate-wise
     median is clipped to this many times the median deviation (a bound on any one peer's influence); 0: plain

@@ -27,6 +27,7 @@ from peer.swarm.hivemind_seam import (
     LeanHiveGradientAverager,
     LeanHiveOptimizer,
     PseudoGradientAverager,
+    StateDownloadSettings,
     authorized_peer_ids,
 )
 from peer.swarm.lamb import CPULamb8Bit
@@ -191,7 +192,9 @@ def build_optimizer(
         matchmaking_time=collab.matchmaking_time,
         averaging_timeout=collab.averaging_timeout,
         allreduce_timeout=allreduce_timeout,
-        load_state_timeout=collab.load_state_timeout,
+        download_settings=StateDownloadSettings(
+            attempts=collab.load_state_attempts, first_chunk_timeout=collab.load_state_timeout
+        ),
         next_chunk_timeout=next_chunk_timeout,
         offload_optimizer=True,
         reuse_grad_buffers=reuse_grad_buffers and not local,
