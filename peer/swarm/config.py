@@ -192,9 +192,10 @@ class TrainingArguments:
     output_dir: str = "outputs"
     """Where local backups and the final parameters are written."""
     per_device_batch_size: int = 8
-    """Sequences per micro-batch on each device."""
+    """Sequences per micro-batch on the device the model trains on."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches accumulated per local step (batch_size_per_step = micro-batch x this x devices)."""
+    """Micro-batches accumulated per local step (samples per local step = per_device_batch_size x this: the model
+    trains on one device, however many GPUs the host has)."""
     max_epochs: Optional[int] = None
     """Stop cleanly once the swarm reaches this global epoch (None: train until interrupted)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

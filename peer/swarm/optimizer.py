@@ -170,8 +170,9 @@ def build_optimizer(
     # averager_opts reach only the state averager; the gradient averager gets the same through its factory
     averager_opts = dict(request_timeout=collab.request_timeout)
     # hivemind waits matchmaking_time for a sender's next chunk; in local mode a peer enters the round's all-reduce
-    # after its current local step (seconds), and a reducer that gave up on it kept its own pseudo-gradient in that
-    # shard (measured: "received 50.0% of input tensors", the pair apart after the round). Rounds take minutes there.
+    # after its current local step (seconds), and a reducer that gives up on it keeps its own pseudo-gradient in that
+    # shard ("received 50.0% of input tensors"), which leaves the peers' shared parameters apart after the round.
+    # Rounds take minutes in this mode, so waiting longer costs little.
     next_chunk_timeout = max(collab.matchmaking_time, allreduce_timeout / 3) if local else None
     averager_class = GRADIENT_AVERAGERS[collab.sync_mode]
     if local:  # the averager of pseudo-gradients; the wrapped optimizer is the outer one (trainers own the inner)

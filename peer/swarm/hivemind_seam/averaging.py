@@ -222,7 +222,8 @@ def _finite_floats(tensors) -> bool:
 
 DOWNLOAD_EPOCH_LEAD = 4
 """A downloaded state may be at most this many epochs beyond the swarm's consensus (the larger of the local and the
-progress tracker's epoch): a label of 10**12 hung the scheduler loop for weeks or ended the run at max_epochs."""
+progress tracker's epoch): a label of 10**12 would hang the scheduler loop (it replays every epoch) or end the run
+at max_epochs."""
 BOUND_REFRESH_SECONDS = 5.0
 """A download that took longer than this re-reads the swarm's consensus before the epoch check (the swarm moved on)."""
 STATE_CHUNK_TIMEOUT = 20.0
@@ -634,8 +635,8 @@ class PseudoGradientAverager(LeanHiveGradientAverager):
     _bound_two_peer_rounds = False
     # The two-peer bound of gradients (``bound_two_peer_update``) bounds each receiver by its own contribution, so
     # the two peers of a round apply different results: harmless for one gradient step, but here it leaves their
-    # shared parameters apart (the mode's invariant is that every peer holds the same ones; measured 3e-3 and 6e-3
-    # after honest two-peer rounds). With two contributors no rule can tell the faulty one; with three or more the
+    # shared parameters apart (the mode's invariant is that every peer holds the same ones), even after honest
+    # two-peer rounds. With two contributors no rule can tell the faulty one; with three or more the
     # reducer's bounded_mean applies, and it gives every receiver the same result.
 
     def __init__(self, parameters, *, run_id: str, prefix: Optional[str] = None, **kwargs):
