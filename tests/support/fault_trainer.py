@@ -36,11 +36,8 @@ class _FaultHooks:
         super().load_accumulators_into_averager_()
         injection.corrupt_sent_gradients(self)
 
-    def _on_averaged_tensor(self, received: int) -> None:
-        super()._on_averaged_tensor(received)
-        injection.maybe_die_in_allreduce(self, received)
-
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        injection.maybe_die_in_allreduce_rounds(self)
         if "weight" in kwargs:
             kwargs["weight"] = injection.weight_to_send(kwargs["weight"])
         injection.maybe_send_bad_shapes()

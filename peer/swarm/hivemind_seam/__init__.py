@@ -55,10 +55,6 @@ State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
   download was applied (hivemind returns quietly when nobody answers), label the served state with the epoch its
   parameters are really at, snapshot it under ``lock_optimizer`` and refuse to serve NaN/inf.
 
-Gradient averager (``LeanHiveGradientAverager(GradientAverager)``)
-- ``_on_averaged_tensor``: an extension point (does nothing) called for each averaged tensor received; the tests'
-  fault entry point overrides it.
-
 Pseudo-gradient averager (``PseudoGradientAverager(LeanHiveGradientAverager)``, ``--sync_mode local``)
 - ``load_accumulators_into_averager_``: writes ``shared parameters - local parameters`` (the pseudo-gradient of the
   round) into the averaged tensors instead of the accumulated gradients; built with ``reuse_grad_buffers=True`` so

@@ -188,7 +188,6 @@ class _PolicyAveraging:
             two_peers = two_peers and len(runner.sender_peer_ids) == 2 and runner.weight > 0
             async for tensor, update in azip(as_aiter(*tensors), runner):
                 received += 1
-                self._on_averaged_tensor(received)
                 refused += keep_local_where_not_finite(update)
                 if two_peers:
                     bounded += bound_two_peer_update(update, tensor)
@@ -210,10 +209,6 @@ class _PolicyAveraging:
     _bound_two_peer_rounds = False
     """Bound each tensor's update in a two-contributor round (``bound_two_peer_update``): gradients only (a
     parameter or statistic tensor may legitimately be all zeros, which would freeze it)."""
-
-    def _on_averaged_tensor(self, received: int) -> None:
-        """Called in the averager process for each averaged tensor received (counted from 1 in each round); an
-        extension point for the tests' fault entry point, nothing to do here."""
 
 
 def _finite_floats(tensors) -> bool:

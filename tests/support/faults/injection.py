@@ -164,8 +164,30 @@ def record_averaging(sent, tensors, error=None) -> None:
 _allreduce_rounds = 0  # gradient all-reduce rounds this averager process took part in
 
 
+def maybe_die_in_allreduce_rounds(averager) -> None:
+    """Called in the averager process before each all-reduce round (``LEANHIVE_FAULT_DIE_IN_ALLREDUCE``): from then
+    on, every averaged tensor this process receives from a round's runner goes through ``maybe_die_in_allreduce``
+    (counted from 1 in each round). The runner class of this process alone is wrapped."""
+    from hivemind.averaging.allreduce import AllReduceRunner
+
+    from peer.swarm.hivemind_seam import BoundedAllReduceRunner
+
+    if not os.environ.get(DIE_IN_ALLREDUCE_ENV, "").strip() or getattr(BoundedAllReduceRunner, "_counted", False):
+        return
+
+    async def counted(self):
+        received = 0
+        async for update in AllReduceRunner.run(self):
+            received += 1
+            maybe_die_in_allreduce(averager, received)
+            yield update
+
+    BoundedAllReduceRunner.run = counted
+    BoundedAllReduceRunner._counted = True
+
+
 def maybe_die_in_allreduce(averager, tensors_received: int) -> None:
-    """Called by the averager process for every averaged tensor it receives; SIGKILLs the peer when told to."""
+    """For every averaged tensor the averager process receives; SIGKILLs the peer when told to."""
     global _allreduce_rounds
     from hivemind.optim.grad_averager import GradientAverager
 
