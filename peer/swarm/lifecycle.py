@@ -21,11 +21,13 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Tuple, Type
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Type
 
 from peer.swarm import events
 from peer.swarm.errors import NetworkSetupError
-from peer.swarm.watchdog import DHTWatchdog
+
+if TYPE_CHECKING:  # imported lazily, like hivemind in configure_logging: a test peer needs neither
+    from peer.swarm.watchdog import DHTWatchdog
 
 logger = logging.getLogger(__name__)
 
