@@ -1,16 +1,5 @@
-"""The two ways a trainer's local steps reach the swarm (``--sync_mode``): two objects with one interface.
-
-The trainer loop (``peer.trainer.TrainerPeer.run``) never asks which mode it runs in; it calls its strategy:
-
-- ``before_step()``: at the top of every loop iteration, before the local step's forward and backward passes.
-- ``step(grad_scaler)``: the local step's accumulated gradients are handed over (finite ones; with fp16's
-  ``hivemind.GradScaler`` every step is handed over, and the scaler drops an overflowing one). hivemind may end
-  a global epoch inside this call (all-reduce and optimizer step).
-- ``discard_step()``: the local step's gradients are NaN/inf: they are dropped, nothing is stepped.
-- ``end_epoch()``: a global epoch ended during ``step``; called after the epoch's metrics were published and
-  before the loop's own after-update work (the NaN/inf check of the parameters and the periodic backup, the same in
-  both modes).
-- ``learning_rate()``: the learning rate the local steps use now (for the log).
+"""The two ways a trainer's local steps reach the swarm (``--sync_mode``): two objects with one interface,
+``TrainingStrategy``, whose docstring is the contract the trainer loop relies on.
 
 ``SyncTraining`` (``--sync_mode sync``): hivemind accumulates the gradients, all-reduces them when the swarm has
 ``target_batch_size`` samples, and every peer takes the same 8-bit LAMB step.
@@ -47,7 +36,23 @@ the tracker's estimate; the round agreement's check is made before it (``LocalTr
 
 
 class TrainingStrategy(Protocol):
-    """What the trainer loop calls (the contract is in the module docstring)."""
+    """What the trainer loop (``peer.trainer.TrainerPeer.run``) calls; it never asks which mode it runs in.
+
+    For each local step, in this order:
+
+    - ``before_step()``: at the top of every loop iteration, before the step's forward and backward passes (after
+      the loop's own checks: max_epochs, a pause while cut off from the swarm).
+    - then exactly one of ``step(grad_scaler)``: hand the step's accumulated gradients over (finite ones; with
+      fp16's ``hivemind.GradScaler`` every step is handed over and the scaler drops an overflowing one); hivemind
+      may end a global epoch inside this call (all-reduce and optimizer step); or ``discard_step()``: the step's
+      gradients are NaN/inf, drop them (nothing is stepped, no sample counts).
+    - ``end_epoch()``: only when a global epoch ended during ``step``; called after the epoch's metrics were
+      published and before the loop's own after-update work (the NaN/inf check of the parameters with its
+      recovery, and the periodic backup: the same in both modes).
+
+    ``learning_rate()`` may be called at any time: the rate the local steps use now (for the log). A wait of the
+    strategy's own (``LocalTraining.before_step``) ends early on a stop request.
+    """
 
     def before_step(self) -> None: ...
     def step(self, grad_scaler: Optional[hivemind.GradScaler] = None) -> None: ...
