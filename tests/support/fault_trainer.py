@@ -72,7 +72,7 @@ FAULTY_AVERAGERS = {"sync": FaultyGradientAverager, "local": FaultyPseudoGradien
 class FaultyTrainerPeer(TrainerPeer):
     def _accumulate_gradients(self) -> float:
         loss_sum = super()._accumulate_gradients()
-        injection.maybe_corrupt_gradients(self.model, self.local_step)  # before the trainer's finiteness check
+        injection.maybe_corrupt_gradients(self.model, self.counters.local_step)  # before the trainer's finiteness check
         return loss_sum
 
     def _after_update(self, new_epoch: int) -> None:
