@@ -1,18 +1,17 @@
 """The auxiliary peer: joins the swarm without training, serves metrics/dashboard, keeps checkpoints.
 
-Explicit lifecycle: ``AuxPeer(config)`` only stores settings; ``start()`` joins the swarm and starts the
-HTTP server; ``run()`` blocks until ``request_stop()``; ``shutdown()`` releases everything and is safe
-after a failed ``start()``.
+Lifecycle: ``AuxPeer.build(config, control, parts)`` joins the swarm and starts the HTTP server; ``run()`` blocks
+until a stop request; closing ``parts`` releases everything, also after a build that failed halfway. Entry points
+hand ``build`` to ``peer.swarm.lifecycle.run_peer``, which does all three.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import List, Optional
 
-import hivemind
 from hivemind.utils import get_dht_time
 
 from aux_monitor.aggregation import SwarmSnapshot
@@ -30,9 +29,9 @@ from peer.swarm.config import CollaborationArguments, OptimizerArguments
 from peer.swarm.data import DataArguments, build_validation_dataset, check_tokenizer_fits, load_tokenizer
 from peer.swarm.events import EventArguments
 from peer.swarm.joining import check_sync_mode
+from peer.swarm.lifecycle import PeerControl
 from peer.swarm.network import NetworkArguments, connect
 from peer.swarm.optimizer import build_optimizer
-from peer.swarm.watchdog import DHTWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -70,29 +69,31 @@ def build_validation_set(data: DataArguments, vocab_size: int) -> list:
     return blocks
 
 
-class AuxPeer:
-    def __init__(self, config: AuxConfig):
-        self.config = config
-        self.stop_requested = threading.Event()
-        self.running = False  # set once start() is done: before that a stop request interrupts at once
-        self.dht: Optional[hivemind.DHT] = None
-        self.watchdog: Optional[DHTWatchdog] = None
-        self.optimizer: Optional[hivemind.Optimizer] = None
-        self.server: Optional[MonitorServer] = None
-        self.monitor: Optional[AuxMonitor] = None
-        self.uploader: Optional[HubUploader] = None
-        self.sampler: Optional[CheckpointSampler] = None
-        self._threads: List[threading.Thread] = []
+def _wait_for_uploads(uploader: HubUploader) -> None:
+    uploader.wait(timeout=60)
 
-    def start(self) -> None:
-        net, aux = self.config.network, self.config.aux
+
+class AuxPeer:
+    """An aux peer built whole by ``build`` (entry points run it with ``peer.swarm.lifecycle.run_peer``)."""
+
+    def __init__(self, *, monitor: AuxMonitor, stop_requested: threading.Event, assist_in_averaging: bool):
+        self.monitor, self.stop_requested, self.assist_in_averaging = monitor, stop_requested, assist_in_averaging
+
+    @classmethod
+    def build(cls, config: AuxConfig, control: PeerControl, parts: contextlib.ExitStack) -> "AuxPeer":
+        """Join the swarm, build the replica of its state and the monitor, start the HTTP server.
+
+        Each part's shutdown goes on ``parts`` as soon as the part exists; closed (``run_peer`` always does), it
+        stops the server, waits for uploads, stops the sampler, leaves the swarm, then stops the watchdog and DHT."""
+        net, aux = config.network, config.aux
         if net.client_mode:
             raise ValueError(
                 "an aux peer cannot run in client mode: it must accept connections to serve its "
                 "state and join averaging; drop --client_mode (or run it where its port is reachable)"
             )
+        parts.callback(logger.info, "Aux peer shut down")
         model = build_swarm_model(aux.model_config)  # before joining: a bad config fails fast
-        validation = build_validation_set(self.config.data, model.config.vocab_size) if aux.eval_every else None
+        validation = build_validation_set(config.data, model.config.vocab_size) if aux.eval_every else None
         checkpoints = (
             CheckpointManager(aux.checkpoint_dir, keep=aux.keep_checkpoints, model_class=type(model))
             if (aux.checkpoint_every or aux.resume)
@@ -100,91 +101,83 @@ class AuxPeer:
         )
 
         swarm = connect(net)
-        self.dht, self.watchdog = swarm.dht, swarm.watchdog
-        check_sync_mode(self.dht, net.run_id, self.config.collaboration.sync_mode)  # before it declares its own
+        parts.callback(swarm.dht.shutdown)
+        if swarm.watchdog is not None:
+            parts.callback(swarm.watchdog.shutdown)
+        control.watchdog = swarm.watchdog
+        check_sync_mode(swarm.dht, net.run_id, config.collaboration.sync_mode)  # before it declares its own
 
         # the trainers' own factory: same run_id, parameter groups, target batch size and compression
-        self.optimizer = build_optimizer(
+        optimizer = build_optimizer(
             model=model,
-            dht=self.dht,
+            dht=swarm.dht,
             run_id=net.run_id,
             signing_key=swarm.signing_key,
             batch_size_per_step=None,
-            collab=self.config.collaboration,
-            optim=self.config.optimizer,
+            collab=config.collaboration,
+            optim=config.optimizer,
             client_mode=False,
             auxiliary=True,
         )
-        replica = SwarmReplica(
-            model=model, optimizer=self.optimizer, load_state_timeout=self.config.collaboration.load_state_timeout
-        )
+        parts.callback(optimizer.shutdown)
+        replica = SwarmReplica(model=model, optimizer=optimizer)
         holder = StateHolder(
             MonitorState(run_id=net.run_id, initial_peers=swarm.join_line, swarm=SwarmSnapshot.empty(get_dht_time()))
         )
-        if aux.upload_to_hub:
-            self.uploader = HubUploader(aux.upload_to_hub)
+        sampler = None
         if aux.sample_tokens and checkpoints is not None:
             settings = SamplerSettings(
                 prompt=aux.sample_prompt,
                 max_new_tokens=aux.sample_tokens,
                 max_seconds=aux.sample_seconds,
-                tokenizer=self.config.data.tokenizer,
+                tokenizer=config.data.tokenizer,
             )
-            self.sampler = CheckpointSampler(settings, holder)
-        self.monitor = AuxMonitor(
-            dht=self.dht,
+            sampler = CheckpointSampler(settings, holder)
+            parts.callback(sampler.shutdown)
+        uploader = None
+        if aux.upload_to_hub:
+            uploader = HubUploader(aux.upload_to_hub)
+            parts.callback(_wait_for_uploads, uploader)
+        monitor = AuxMonitor(
+            dht=swarm.dht,
             run_id=net.run_id,
             args=aux,
             holder=holder,
             replica=replica,
             checkpoints=checkpoints,
-            uploader=self.uploader,
+            uploader=uploader,
             validation=validation,
-            sampler=self.sampler,
+            sampler=sampler,
         )
         if aux.resume:
-            self.monitor.resume()
+            monitor.resume()
 
-        self.server = MonitorServer(
+        server = MonitorServer(
             MonitorApp(holder.get, refresh_seconds=aux.refresh_period), host=aux.metrics_host, port=aux.metrics_port
         ).start()
+        parts.callback(server.shutdown)
         logger.info(
             "Serving the dashboard on http://%s:%d/ and Prometheus metrics on http://%s:%d/metrics",
             aux.metrics_host,
-            self.server.port,
+            server.port,
             aux.metrics_host,
-            self.server.port,
+            server.port,
         )
-        events.emit("serving", port=self.server.port, epoch=self.monitor.replica.held_epoch)
-        self.running = True
-
-    def request_stop(self) -> None:
-        self.stop_requested.set()
+        events.emit("serving", port=server.port, epoch=monitor.replica.held_epoch)
+        return cls(monitor=monitor, stop_requested=control.stop_requested, assist_in_averaging=aux.assist_in_averaging)
 
     def run(self) -> None:
-        if self.config.aux.assist_in_averaging:
-            thread = threading.Thread(
+        """Until a stop request; the assisting thread (if any) has ended, or had 30 s to, when this returns."""
+        assist = None
+        if self.assist_in_averaging:
+            assist = threading.Thread(
                 target=self.monitor.run_assist, args=(self.stop_requested,), name="assist-averaging", daemon=True
             )
-            thread.start()
-            self._threads.append(thread)
+            assist.start()
             logger.info("Assisting the trainers' averaging rounds")
-        self.monitor.run(self.stop_requested)
-
-    def shutdown(self) -> None:
-        self.stop_requested.set()
-        for thread in self._threads:
-            thread.join(timeout=30)
-        if self.server is not None:
-            self.server.shutdown()
-        if self.uploader is not None:
-            self.uploader.wait(timeout=60)
-        if self.sampler is not None:
-            self.sampler.shutdown()
-        if self.optimizer is not None:
-            self.optimizer.shutdown()
-        if self.watchdog is not None:
-            self.watchdog.shutdown()
-        if self.dht is not None:
-            self.dht.shutdown()
-        logger.info("Aux peer shut down")
+        try:
+            self.monitor.run(self.stop_requested)
+        finally:
+            self.stop_requested.set()
+            if assist is not None:
+                assist.join(timeout=30)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -28,6 +27,7 @@ from transformers import PreTrainedModel
 
 from aux_monitor.state import CheckpointInfo
 from peer.swarm import events
+from peer.swarm.events import finite_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class CheckpointManager:
         manifest = dict(
             format=FORMAT_VERSION,
             epoch=state.epoch,
-            loss=state.loss if state.loss is not None and math.isfinite(state.loss) else None,
+            loss=finite_or_none(state.loss),
             time=state.time,
             model_class=type(state.model).__name__,
             run=state.facts,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from functools import partial
 from typing import Optional, Sequence
 
 from aux_monitor.arguments import AuxArguments
@@ -59,7 +60,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configure_logging()
     process_guard.install()  # before any hivemind process exists
     return run_peer(
-        AuxPeer(config), setup_errors=(NetworkSetupError, OSError, ValueError), events_file=config.events.events_file
+        partial(AuxPeer.build, config),
+        setup_errors=(NetworkSetupError, OSError, ValueError),
+        events_file=config.events.events_file,
     )
 
 

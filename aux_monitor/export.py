@@ -36,6 +36,7 @@ from aux_monitor.checkpoints import MANIFEST, CheckpointError, checkpoint_dirs, 
 from model import LeanGPTForCausalLM, load_config
 from peer.swarm.backup_format import BACKUP_NAME, PREVIOUS_BACKUP_NAME, BackupError, read_backup
 from peer.swarm.data import shipped_tokenizer_dir
+from peer.swarm.events import finite_or_none
 from peer.swarm.validate import require
 
 logger = logging.getLogger(__name__)
@@ -135,10 +136,6 @@ def load_source(args: ExportArguments) -> tuple:
     )
 
 
-def _finite(value) -> Optional[float]:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
 def _from_checkpoint(path: Path, args: ExportArguments) -> tuple:
     try:
         loaded = load_checkpoint(path, LeanGPTForCausalLM)
@@ -152,8 +149,8 @@ def _from_checkpoint(path: Path, args: ExportArguments) -> tuple:
         epoch=state.epoch,
         run_id=args.run_id or facts.get("run_id"),
         samples_seen=samples if isinstance(samples, int) else None,
-        training_loss=_finite(state.loss),
-        validation_loss=_finite(facts.get("validation_loss")),
+        training_loss=finite_or_none(state.loss),
+        validation_loss=finite_or_none(facts.get("validation_loss")),
         validation_epoch=facts.get("validation_epoch") if isinstance(facts.get("validation_epoch"), int) else None,
         taken_at=state.time,
     )

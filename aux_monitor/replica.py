@@ -24,10 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 class SwarmReplica:
-    def __init__(self, *, model: torch.nn.Module, optimizer: hivemind.Optimizer, load_state_timeout: float):
+    def __init__(self, *, model: torch.nn.Module, optimizer: hivemind.Optimizer):
         self.model = model
-        self.optimizer = optimizer
-        self.load_state_timeout = load_state_timeout
+        self.optimizer = optimizer  # its state averager downloads by the run's StateDownloadSettings
         self.held_epoch: Optional[int] = None  # epoch of the parameters we hold; None: nothing loaded yet
         self._lock = threading.RLock()  # downloads, restores, captures and assist steps never overlap
         self._set_sharing(False)
@@ -53,11 +52,7 @@ class SwarmReplica:
             averager = self.optimizer.state_averager
             # a state beyond the swarm's consensus (a hostile label of 10**12) is refused before it is applied
             bound = download_epoch_bound(self.optimizer.tracker, self.held_epoch or 0)
-            averager.load_state_from_peers(
-                timeout=self.load_state_timeout,
-                max_epoch=bound,
-                progress_key=self.optimizer.tracker.training_progress_key,
-            )
+            averager.load_state_from_peers(max_epoch=bound, progress_key=self.optimizer.tracker.training_progress_key)
             if not averager.state_arrived():
                 return None
             epoch = averager.local_epoch

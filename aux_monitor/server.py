@@ -8,20 +8,20 @@ import html
 import io
 import json
 import logging
-import math
 import selectors
 import socket
 import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from aux_monitor.dashboard_page import PAGE
 from aux_monitor.exporter import make_registry, render_metrics
 from aux_monitor.state import MonitorState
+from peer.swarm.events import json_safe
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +35,7 @@ MAX_REQUEST_BYTES = 16 * 1024  # a GET without a body is far smaller
 
 def state_to_json(state: MonitorState) -> dict:
     """A JSON-safe dict of the state (NaN and infinities become null, which JSON.parse accepts)."""
-    return _json_safe(dataclasses.asdict(state))
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
+    return json_safe(dataclasses.asdict(state))
 
 
 def render_dashboard(state: MonitorState, refresh_seconds: float) -> str:

@@ -35,7 +35,9 @@ import torch
 
 import peer.cli
 from peer import backup
+from peer.swarm import process_guard
 from peer.swarm.hivemind_seam.averaging import LeanHiveGradientAverager, LeanHiveStateAverager
+from peer.swarm.lifecycle import configure_logging, run_peer
 from peer.trainer import EpochStats, TrainerPeer
 
 TIMINGS_ENV = "LEANHIVE_BENCH_TIMINGS"
@@ -84,8 +86,9 @@ def timed_allreduce(kind: str, averager_class: type) -> None:
 
 
 class TimedTrainerPeer(TrainerPeer):
-    def start(self) -> None:
-        super().start()
+    @classmethod
+    def build(cls, config, control, parts) -> "TimedTrainerPeer":
+        self = super().build(config, control, parts)
         optimizer = self.optimizer
         # instance attributes: hivemind looks these up on the optimizer each time it calls them
         optimizer.step = timed("blocked", optimizer.step)
@@ -94,8 +97,10 @@ class TimedTrainerPeer(TrainerPeer):
         )
         optimizer.state_averager.optimizer.step = timed("optimizer_step", optimizer.state_averager.optimizer.step)
         optimizer.load_state_from_peers = timed("state_download", optimizer.load_state_from_peers)
-        if self.inner_optimizer is not None:
-            self.inner_optimizer.step = timed("optimizer_step", self.inner_optimizer.step)
+        inner = getattr(self.strategy, "inner_optimizer", None)  # --sync_mode local
+        if inner is not None:
+            inner.step = timed("optimizer_step", inner.step)
+        return self
 
     def _end_epoch(self, stats: EpochStats) -> None:
         super()._end_epoch(stats)
@@ -119,7 +124,10 @@ def save_params(model: torch.nn.Module, epoch: int, folder: Path) -> Path:
 def main() -> int:
     timed_allreduce("grad_allreduce", LeanHiveGradientAverager)
     timed_allreduce("state_allreduce", LeanHiveStateAverager)
-    return peer.cli.main(peer_class=TimedTrainerPeer)
+    config = peer.cli.parse_config(sys.argv[1:])
+    configure_logging()
+    process_guard.install()  # before any hivemind process exists
+    return run_peer(functools.partial(TimedTrainerPeer.build, config), events_file=config.events.events_file)
 
 
 if __name__ == "__main__":

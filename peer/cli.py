@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Optional, Sequence, Tuple, Type
+from functools import partial
+from typing import Optional, Sequence, Tuple
 
 from model import load_config
 from peer.memory_plan import MemoryPlan, MemoryPlanArguments, apply_plan, plan_for_training
@@ -81,8 +82,8 @@ def print_plan(plan: MemoryPlan) -> int:
     return 0 if plan.chosen is not None else 1
 
 
-def main(argv: Optional[Sequence[str]] = None, *, peer_class: Type[TrainerPeer] = TrainerPeer) -> int:
-    """Run a trainer peer; ``peer_class`` lets a test entry point run a subclass (run_trainer.py never does)."""
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run a trainer peer."""
     config, plan, plan_only = parse_and_plan(argv)
     if plan_only:
         return print_plan(plan)
@@ -90,7 +91,7 @@ def main(argv: Optional[Sequence[str]] = None, *, peer_class: Type[TrainerPeer] 
     if plan is not None:
         logging.getLogger(__name__).info("memory plan: %s", plan.to_json())
     process_guard.install()  # before any hivemind process exists
-    return run_peer(peer_class(config), events_file=config.events.events_file)
+    return run_peer(partial(TrainerPeer.build, config), events_file=config.events.events_file)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,20 @@
 """The trainer peer: joins the swarm, runs the local training loop, publishes metrics, leaves cleanly.
 
-Lifecycle: ``TrainerPeer(config)`` does nothing on construction; ``start()`` joins the network and
-builds the model, optimizer and data; ``run()`` trains until ``max_epochs``, a stop request (SIGINT/
-SIGTERM) or an error; ``shutdown()`` writes a backup and leaves the swarm. Entry points call them in
-that order, with ``shutdown()`` in ``finally``.
+Lifecycle: ``TrainerPeer.build(config, control, parts)`` joins the network, builds the model, data, optimizer and
+the training strategy of its ``--sync_mode`` (``peer.strategies``), and joins the swarm's state; ``run()`` trains
+until ``max_epochs``, a stop request (SIGINT/SIGTERM) or an error; closing ``parts`` writes a backup and leaves the
+swarm. Entry points hand ``build`` to ``peer.swarm.lifecycle.run_peer``, which does all three.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import hivemind
 import torch
@@ -23,8 +23,8 @@ from hivemind.utils import get_dht_time
 from peer import backup
 from peer.grad_scaling import BlockScalePolicy, PerBlockGradScaler
 from peer.model_setup import Placement, build_model, choose_placement
+from peer.strategies import LocalTraining, SyncTraining, TrainingStrategy
 from peer.swarm import events
-from peer.swarm.agreement import RoundAgreement, tolerance_for
 from peer.swarm.config import CollaborationArguments, OptimizerArguments, TrainingArguments
 from peer.swarm.data import (
     DataArguments,
@@ -35,26 +35,23 @@ from peer.swarm.data import (
     make_batches,
 )
 from peer.swarm.events import EventArguments
-from peer.swarm.hivemind_seam import LeanHiveGradientAverager, LeanHiveOptimizer, PseudoGradientAverager
+from peer.swarm.hivemind_seam import LeanHiveOptimizer
 from peer.swarm.joining import (
     check_sync_mode,
     count_other_state_sharing_peers,
-    download_state,
     final_barrier,
     join_swarm,
     resync_with_swarm,
     wait_for_swarm,
 )
+from peer.swarm.lifecycle import PeerControl
 from peer.swarm.network import NetworkArguments, connect
-from peer.swarm.optimizer import build_optimizer, make_inner_optimizer, set_inner_learning_rate
+from peer.swarm.optimizer import build_optimizer
 from peer.swarm.records import LocalMetrics, publish_metrics
 from peer.swarm.tensors import all_finite
 from peer.swarm.watchdog import DHTWatchdog
 
 logger = logging.getLogger(__name__)
-ROUND_START_MARGIN = 2.0
-"""--sync_mode local: a local step (and hivemind's matchmaking lead) may start the next round this much earlier than
-the tracker's estimate; the round agreement's check is made before it (``_check_agreement_in_time``)."""
 
 
 @dataclass
@@ -93,99 +90,163 @@ def _peer_seed(dht: hivemind.DHT) -> int:
     return int.from_bytes(hashlib.sha256(dht.peer_id.to_bytes()).digest()[:4], "little")
 
 
+def _build_batches(
+    config: TrainerConfig, model: torch.nn.Module, dht: hivemind.DHT, epoch: Callable[[], int]
+) -> Iterator[dict]:
+    """The training batches; their sequence length follows the warm-up schedule at the global ``epoch()``."""
+    data = config.data
+    tokenizer = load_tokenizer(data)
+    check_tokenizer_fits(tokenizer, model.config.vocab_size)  # parse_config checked it already
+    stream = build_train_dataset(data, tokenizer, peer_seed=_peer_seed(dht))
+    schedule = SequenceLengthSchedule(data)
+    return make_batches(stream, config.training.per_device_batch_size, lambda: schedule.length_at(epoch()))
+
+
+def batch_size_per_step(training: TrainingArguments) -> int:
+    """Samples per local step: the model trains on the one device of its placement, however many GPUs the host has
+    (counting them all would close epochs with 1/N of the target and weigh this peer N times)."""
+    return training.per_device_batch_size * training.gradient_accumulation_steps
+
+
+@dataclass
+class LoopCounters:
+    """What the training loop counted over the peer's life (logged when it shuts down)."""
+
+    local_step: int = 0
+    samples_total: int = 0
+    skipped_steps_total: int = 0
+
+    def log_shutdown(self) -> None:
+        logger.info("Shut down cleanly (%d local steps, %d skipped)", self.local_step, self.skipped_steps_total)
+
+
+def _write_final_state(training: TrainingArguments, model: torch.nn.Module, optimizer: LeanHiveOptimizer) -> None:
+    """At shutdown, before leaving the swarm: a backup and the final parameters (failures are logged)."""
+    try:
+        if training.backup_every_epochs:
+            backup.save_backup(training.output_dir, model, optimizer)
+        if all_finite(model.parameters()):
+            backup.save_final_params(training.output_dir, model, optimizer.local_epoch)
+    except Exception:
+        logger.exception("Could not write the backup or final parameters")
+
+
+def _leave_swarm(optimizer: LeanHiveOptimizer) -> None:
+    logger.info("Leaving the swarm")
+    optimizer.shutdown()
+
+
 class TrainerPeer:
-    # the averager class of the gradients (a test entry point runs a subclass that injects faults)
-    grad_averager_class = LeanHiveGradientAverager
-    pseudo_grad_averager_class = PseudoGradientAverager  # the same, for --sync_mode local
+    """A trainer built whole by ``build`` (entry points run it with ``peer.swarm.lifecycle.run_peer``); the
+    constructor takes finished parts, so a test can assemble one from its own."""
 
-    def __init__(self, config: TrainerConfig):
-        self.config = config
-        self.stop_requested = threading.Event()
-        self.running = False  # set once start() is done: before that a stop request interrupts at once
-        self.dht: Optional[hivemind.DHT] = None
-        self.watchdog: Optional[DHTWatchdog] = None
-        self.optimizer: Optional[LeanHiveOptimizer] = None
-        self.inner_optimizer: Optional[torch.optim.Optimizer] = None  # --sync_mode local: this peer's own LAMB
-        self.model: Optional[torch.nn.Module] = None
-        self.placement: Optional[Placement] = None
-        self.grad_scaler = None
-        self.block_scaler: Optional[PerBlockGradScaler] = None
-        self.public_key: Optional[bytes] = None
-        self.samples_total = 0
-        self.skipped_steps_total = 0
-        self.local_step = 0
+    def __init__(
+        self,
+        *,
+        config: TrainerConfig,
+        control: PeerControl,
+        dht: hivemind.DHT,
+        public_key: bytes,
+        watchdog: Optional[DHTWatchdog],
+        model: torch.nn.Module,
+        placement: Placement,
+        optimizer: LeanHiveOptimizer,
+        strategy: TrainingStrategy,
+        batches: Iterator[dict],
+        grad_scaler: Optional[hivemind.GradScaler] = None,
+        block_scaler: Optional[PerBlockGradScaler] = None,
+        counters: Optional[LoopCounters] = None,
+    ):
+        self.config, self.control = config, control
+        self.dht, self.public_key, self.watchdog = dht, public_key, watchdog  # watchdog: None with --rejoin_period 0
+        self.model, self.placement, self.optimizer, self.strategy = model, placement, optimizer, strategy
+        self.batches = batches
+        self.grad_scaler = grad_scaler  # fp16 with one loss scale (hivemind's)
+        self.block_scaler = block_scaler  # fp16 with --per_block_grad_scaling
+        self.counters = counters if counters is not None else LoopCounters()
+        self.batch_size_per_step = batch_size_per_step(config.training)
         self._backup_failed = False
-        self._batches: Optional[Iterator[dict]] = None
-        self.agreement: Optional[RoundAgreement] = None  # --sync_mode local: the round-end check of shared params
-        self._state_loads_seen = 0  # optimizer.state_loads at the last round's end
 
-    # ------------------------------------------------------------------------------------ start
+    # ------------------------------------------------------------------------------------ build
 
-    def start(self) -> None:
-        net, train = self.config.network, self.config.training
+    @classmethod
+    def build(cls, config: TrainerConfig, control: PeerControl, parts: contextlib.ExitStack) -> "TrainerPeer":
+        """Join the network, build the model, data, optimizer and training strategy, join the swarm's state.
+
+        Each part's shutdown goes on ``parts`` as soon as the part exists, so closing it (``run_peer`` always does)
+        writes the backup and final parameters, leaves the swarm, then stops the watchdog and the DHT."""
+        net, train, collab = config.network, config.training, config.collaboration
+        counters = LoopCounters()
+        parts.callback(counters.log_shutdown)
         if train.torch_threads is not None:
             torch.set_num_threads(train.torch_threads)
-        self.placement = choose_placement(train)  # fail on bad device/precision before touching the network
+        placement = choose_placement(train)  # fail on bad device/precision before touching the network
         swarm = connect(net)
-        self.dht, self.watchdog, self.public_key = swarm.dht, swarm.watchdog, swarm.public_key
-        check_sync_mode(self.dht, net.run_id, self.config.collaboration.sync_mode)  # before it declares its own
+        parts.callback(swarm.dht.shutdown)
+        if swarm.watchdog is not None:
+            parts.callback(swarm.watchdog.shutdown)
+        control.watchdog = swarm.watchdog
+        check_sync_mode(swarm.dht, net.run_id, collab.sync_mode)  # before it declares its own
 
-        local = self.config.collaboration.sync_mode == "local"  # fp16 was refused by parse_config
-        self.model = build_model(train, self.placement)
+        model = build_model(train, placement)
         # data before the optimizer: building it declares this peer's state to the swarm, and a peer waiting for
-        # min_peers starts when it sees that declaration; declared seconds before the tokenizer was ready, this peer
+        # min_peers starts when it sees that declaration; declared before the tokenizer was ready, this peer would
         # let the other end its first epochs alone
-        self._build_data()
-        if self.placement.uses_grad_scaler and train.per_block_grad_scaling:
+        batches = _build_batches(config, model, swarm.dht, epoch=lambda: optimizer.local_epoch)
+        grad_scaler, block_scaler = None, None
+        if placement.uses_grad_scaler and train.per_block_grad_scaling:
             # unscales every block itself, so hivemind gets unscaled gradients as with fp32
             policy = BlockScalePolicy(growth_interval=train.grad_scale_growth_interval)
-            self.block_scaler = PerBlockGradScaler(self.model, policy)
-        elif self.placement.uses_grad_scaler:
-            self.grad_scaler = hivemind.GradScaler()
-        self.optimizer = build_optimizer(
-            model=self.model,
-            dht=self.dht,
+            block_scaler = PerBlockGradScaler(model, policy)
+        elif placement.uses_grad_scaler:
+            grad_scaler = hivemind.GradScaler()
+        optimizer = build_optimizer(
+            model=model,
+            dht=swarm.dht,
             run_id=net.run_id,
             signing_key=swarm.signing_key,
-            batch_size_per_step=self.batch_size_per_step,
-            collab=self.config.collaboration,
-            optim=self.config.optimizer,
+            batch_size_per_step=batch_size_per_step(train),
+            collab=collab,
+            optim=config.optimizer,
             client_mode=net.client_mode,
             # hivemind's GradScaler unscales the accumulated gradients only when they live in .grad
-            reuse_grad_buffers=self.grad_scaler is not None,
-            grad_averager_class=self.grad_averager_class,
-            pseudo_grad_averager_class=self.pseudo_grad_averager_class,
+            reuse_grad_buffers=grad_scaler is not None,
         )
-        if local:
-            self.inner_optimizer = make_inner_optimizer(self.model, self.config.optimizer)
-            self.agreement = RoundAgreement(
-                self.dht,
-                net.run_id,
-                self.public_key,
-                self.optimizer.grad_averager.shared_parameters,
-                outer_state=self._outer_momentum,
-                votes=not net.client_mode,  # a client cannot serve its state: it follows the vote
-                tolerance=tolerance_for(self.config.collaboration.compression),
+        parts.callback(_leave_swarm, optimizer)
+        parts.callback(_write_final_state, train, model, optimizer)
+        if collab.sync_mode == "local":  # fp16 was refused by parse_config
+            strategy = LocalTraining.build(
+                optimizer=optimizer,
+                model=model,
+                dht=swarm.dht,
+                run_id=net.run_id,
+                public_key=swarm.public_key,
+                client_mode=net.client_mode,
+                collab=collab,
+                optimizer_args=config.optimizer,
+                batch_size_per_step=batch_size_per_step(train),
+                watchdog=swarm.watchdog,
+                stop_requested=control.stop_requested,
             )
-        self._state_loads_seen = self.optimizer.state_loads  # a state loaded while joining: the first round follows
-        self._join()
-
-    @property
-    def batch_size_per_step(self) -> int:
-        """Samples per local step: the model trains on the one device of its placement, however many GPUs the
-        host has (counting them all would close epochs with 1/N of the target and weigh this peer N times)."""
-        train = self.config.training
-        return train.per_device_batch_size * train.gradient_accumulation_steps
-
-    def _build_data(self) -> None:
-        data = self.config.data
-        tokenizer = load_tokenizer(data)
-        check_tokenizer_fits(tokenizer, self.model.config.vocab_size)  # parse_config checked it already
-        stream = build_train_dataset(data, tokenizer, peer_seed=_peer_seed(self.dht))
-        schedule = SequenceLengthSchedule(data)
-        self._batches = make_batches(
-            stream, self.config.training.per_device_batch_size, lambda: schedule.length_at(self.optimizer.local_epoch)
+        else:
+            strategy = SyncTraining(optimizer, batch_size_per_step(train))
+        peer = cls(
+            config=config,
+            control=control,
+            dht=swarm.dht,
+            public_key=swarm.public_key,
+            watchdog=swarm.watchdog,
+            model=model,
+            placement=placement,
+            optimizer=optimizer,
+            strategy=strategy,
+            batches=batches,
+            grad_scaler=grad_scaler,
+            block_scaler=block_scaler,
+            counters=counters,
         )
+        peer._join()
+        return peer
 
     def _join(self) -> None:
         train, collab = self.config.training, self.config.collaboration
@@ -203,15 +264,11 @@ class TrainerPeer:
 
     # -------------------------------------------------------------------------------------- run
 
-    def request_stop(self) -> None:
-        """Finish the current step, then stop (signal handlers call this)."""
-        self.stop_requested.set()
-
     def run(self) -> None:
         max_epochs = self.config.training.max_epochs
-        self.running = True
+        stop = self.control.stop_requested
         stats = EpochStats(epoch=self.optimizer.local_epoch)
-        while not self.stop_requested.is_set():
+        while not stop.is_set():
             if max_epochs is not None and self.optimizer.local_epoch >= max_epochs:
                 logger.info("Reached max_epochs=%d: stopping", max_epochs)
                 events.emit("max_epochs_reached", epoch=self.optimizer.local_epoch)
@@ -222,13 +279,12 @@ class TrainerPeer:
                     self.config.network.run_id,
                     max_epochs,
                     self.config.collaboration,
-                    stop=self.stop_requested,
+                    stop=stop,
                 )
                 break
-            if self.watchdog is not None and self.watchdog.wait_while_isolated(self.stop_requested):
+            if self.watchdog is not None and self.watchdog.wait_while_isolated(stop):
                 resync_with_swarm(self.optimizer)
-            if self.agreement is not None and self.agreement.pending():
-                self._check_agreement_in_time()
+            self.strategy.before_step()
             epoch_before = self.optimizer.local_epoch
             self._train_step(stats)
             if self.optimizer.local_epoch != epoch_before:
@@ -237,9 +293,9 @@ class TrainerPeer:
         self._finish_pending_updates()
 
     def _train_step(self, stats: EpochStats) -> None:
-        """One local step: accumulate micro-batches, then hand the gradients to hivemind."""
-        train = self.config.training
-        self.local_step += 1
+        """One local step: accumulate micro-batches, then hand the gradients to the strategy."""
+        train, counters = self.config.training, self.counters
+        counters.local_step += 1
         loss_sum = self._accumulate_gradients()
         blocks_ok = self._unscale_blocks(loss_sum)
         finite = (
@@ -247,49 +303,32 @@ class TrainerPeer:
             and math.isfinite(loss_sum)
             and all_finite(p.grad for p in self.model.parameters() if p.grad is not None)
         )
-
         if self.grad_scaler is not None:
-            # fp16: the gradients accumulate in .grad; on overflow hivemind's GradScaler drops them and
-            # lowers the scale, so the step is always handed over
-            self.optimizer.step(batch_size=self.batch_size_per_step, grad_scaler=self.grad_scaler)
-            self.grad_scaler.update()
+            self.strategy.step(self.grad_scaler)  # fp16: always handed over; the scaler drops an overflow
             if not finite:
                 self._count_skipped(stats)
                 return
         elif not finite:
-            self._zero_grad()
+            self.strategy.discard_step()
             self._count_skipped(stats)
             return
-        elif self.inner_optimizer is not None:
-            # local mode: this peer's own step now; hivemind only counts the samples toward the round
-            set_inner_learning_rate(self.inner_optimizer, self.optimizer.local_epoch, self.config.optimizer)
-            self.inner_optimizer.step()
-            self._zero_grad()
-            self.optimizer.step(batch_size=self.batch_size_per_step)
         else:
-            self.optimizer.step(batch_size=self.batch_size_per_step)
-            self.optimizer.zero_grad(set_to_none=False)
+            self.strategy.step()
 
         stats.loss_sum += loss_sum
         stats.mini_steps += train.gradient_accumulation_steps
         stats.samples += self.batch_size_per_step
         stats.steps += 1
-        self.samples_total += self.batch_size_per_step
-        if self.local_step % train.log_every_steps == 0:
+        counters.samples_total += self.batch_size_per_step
+        if counters.local_step % train.log_every_steps == 0:
             self._log_progress(loss_sum / train.gradient_accumulation_steps, stats)
-
-    def _zero_grad(self) -> None:
-        if self.inner_optimizer is not None:  # hivemind refuses zero_grad with the averager's reuse_grad_buffers
-            self.model.zero_grad(set_to_none=False)
-        else:
-            self.optimizer.zero_grad(set_to_none=False)
 
     def _accumulate_gradients(self) -> float:
         """Forward and backward over this local step's micro-batches; returns the summed loss."""
         train = self.config.training
         loss_sum = 0.0
         for _ in range(train.gradient_accumulation_steps):
-            input_ids = next(self._batches)["input_ids"].to(self.placement.device)
+            input_ids = next(self.batches)["input_ids"].to(self.placement.device)
             with self.placement.autocast():
                 loss = self.model(input_ids=input_ids, labels=input_ids).loss
             loss_sum += float(loss.detach())
@@ -315,18 +354,18 @@ class TrainerPeer:
 
     def _count_skipped(self, stats: EpochStats) -> None:
         stats.skipped_steps += 1
-        self.skipped_steps_total += 1
+        self.counters.skipped_steps_total += 1
         logger.warning(
             "Skipping local step %d: NaN/inf loss or gradients (%d skipped so far)",
-            self.local_step,
-            self.skipped_steps_total,
+            self.counters.local_step,
+            self.counters.skipped_steps_total,
         )
 
     def _log_progress(self, loss: float, stats: EpochStats) -> None:
         tracker = self.optimizer.tracker
         logger.info(
             "step %d | loss %.4f | %.1f samples/s | local epoch %d | global epoch %d | peers online %d",
-            self.local_step,
+            self.counters.local_step,
             loss,
             stats.samples_per_second(),
             self.optimizer.local_epoch,
@@ -349,7 +388,7 @@ class TrainerPeer:
             stats.steps,
             stats.skipped_steps,
             new_epoch,
-            (self.inner_optimizer or self.optimizer.opt).param_groups[0]["lr"],
+            self.strategy.learning_rate(),
         )
         events.emit(
             "epoch_done",
@@ -363,64 +402,8 @@ class TrainerPeer:
             peers=self.optimizer.tracker.global_progress.num_peers,
         )
         self._publish(stats)
-        if self.optimizer.missed_round:
-            self._resync_after_missed_round()
-        if self.agreement is not None:
-            if self.agreement.pending():  # the previous round's check, when this round was shorter than its wait
-                self._follow_agreement()
-            loads = self.optimizer.state_loads
-            self.agreement.round_ended(self.optimizer.local_epoch, state_replaced=loads != self._state_loads_seen)
-            self._state_loads_seen = loads
+        self.strategy.end_epoch()
         self._after_update(new_epoch)
-
-    def _outer_momentum(self) -> list:
-        """--sync_mode local: the outer optimizer's momentum buffers (none before its first step, or without
-        momentum), in parameter order."""
-        outer = self.optimizer.state_averager.optimizer
-        buffers = [outer.state.get(p, {}).get("momentum_buffer") for g in outer.param_groups for p in g["params"]]
-        return [buffer for buffer in buffers if buffer is not None]
-
-    def _check_agreement_in_time(self) -> None:
-        """--sync_mode local: the last round's check runs ``SETTLE_SECONDS`` after it (the others' fingerprints must
-        arrive first), and at the latest before the next round's all-reduce, whose pseudo-gradient must start from
-        the agreed state. With rounds of seconds (tests, tiny models) the next round began first, inside hivemind's
-        step, and every repair came one round late (measured); with rounds of minutes this never waits."""
-        wait = self.agreement.seconds_until_due()
-        if wait > 0:
-            next_round = self.optimizer.tracker.estimated_next_update_time - get_dht_time()
-            if next_round > wait + ROUND_START_MARGIN:
-                return  # due well before the next round: checked at a later step
-            self.stop_requested.wait(wait)
-        self._follow_agreement()
-
-    def _follow_agreement(self) -> None:
-        """--sync_mode local: read the last round's fingerprints; if this peer's shared parameters lost the vote,
-        download the state of a peer that won it (once; peer.swarm.agreement)."""
-        epoch, sources = self.agreement.check()
-        if not sources:
-            return
-        if self.optimizer.load_state_checked(only_from=frozenset(sources)):
-            events.emit(
-                "state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="disagreement", path=None
-            )
-        else:
-            logger.warning("Could not download the state that won the vote of epoch %d: training on", epoch)
-
-    def _resync_after_missed_round(self) -> None:
-        """--sync_mode local: this peer's pseudo-gradient missed the round's all-reduce; take the shared state of
-        a peer that made it (else train on: the next state averaging round pulls this peer back)."""
-        self.optimizer.missed_round = False
-        if self.watchdog is not None and self.watchdog.isolated:
-            # cut off from every peer: nobody can send a state now; the run loop pauses, then re-syncs on reconnect
-            logger.warning(
-                "Missed the all-reduce before round %d while cut off from every peer", self.optimizer.local_epoch
-            )
-            return
-        logger.warning("Missed the all-reduce before round %d: loading the swarm's state", self.optimizer.local_epoch)
-        if download_state(self.optimizer, self.config.collaboration.load_state_attempts):
-            events.emit(
-                "state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="missed_round", path=None
-            )
 
     def _after_update(self, new_epoch: int) -> None:
         """After an epoch's update: NaN/inf parameters are recovered, else the periodic backup is written."""
@@ -441,7 +424,7 @@ class TrainerPeer:
             samples_accumulated=stats.samples,
             loss=float(stats.loss_sum) / stats.mini_steps,  # a mean: the schema bounds it, and a sum grows with steps
             mini_steps=stats.mini_steps,
-            samples_total=self.samples_total,
+            samples_total=self.counters.samples_total,
             time=float(get_dht_time()),
         )
         publish_metrics(
@@ -462,8 +445,7 @@ class TrainerPeer:
             self.dht, self.config.network.run_id
         ):
             # the others may be a moment behind, still applying the epoch this peer just finished
-            attempts = self.config.collaboration.load_state_attempts
-            if download_state(self.optimizer, attempts) and all_finite(self.model.parameters()):
+            if self.optimizer.load_state_checked() and all_finite(self.model.parameters()):
                 logger.info("Recovered by loading the swarm's state (global epoch %d)", self.optimizer.local_epoch)
                 events.emit(
                     "state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="recovery", path=None
@@ -489,23 +471,3 @@ class TrainerPeer:
             self.optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
         except Exception as e:
             logger.warning("A background update did not finish: %s", e)
-
-    def shutdown(self) -> None:
-        """Write a backup and the final parameters, leave the swarm; safe to call after a failed start."""
-        output_dir = self.config.training.output_dir
-        if self.optimizer is not None and self.model is not None:
-            try:
-                if self.config.training.backup_every_epochs:
-                    backup.save_backup(output_dir, self.model, self.optimizer)
-                if all_finite(self.model.parameters()):
-                    backup.save_final_params(output_dir, self.model, self.optimizer.local_epoch)
-            except Exception:
-                logger.exception("Could not write the backup or final parameters")
-        if self.optimizer is not None:
-            logger.info("Leaving the swarm")
-            self.optimizer.shutdown()
-        if self.watchdog is not None:
-            self.watchdog.shutdown()
-        if self.dht is not None:
-            self.dht.shutdown()
-        logger.info("Shut down cleanly (%d local steps, %d skipped)", self.local_step, self.skipped_steps_total)

@@ -7,18 +7,23 @@ environment it is given holds a fault variable), from the repository root::
 
     python -m benchmarks.testbed.fault_trainer --config tiny ...   # same flags as run_trainer.py
 
-Production code has no fault hooks; this file only overrides the trainer's extension points.
+Production code has no fault hooks: this entry point subclasses the trainer and puts its faulty averagers in
+``peer.swarm.optimizer.GRADIENT_AVERAGERS`` (which nothing else changes) before it builds the peer.
 """
 
 from __future__ import annotations
 
 import sys
+from functools import partial
+from typing import Optional, Sequence
 
 import torch
 
 import peer.cli
 from benchmarks.testbed.faults import injection
+from peer.swarm import optimizer, process_guard
 from peer.swarm.hivemind_seam import LeanHiveGradientAverager, PseudoGradientAverager
+from peer.swarm.lifecycle import configure_logging, run_peer
 from peer.trainer import TrainerPeer
 
 
@@ -31,11 +36,8 @@ class _FaultHooks:
         super().load_accumulators_into_averager_()
         injection.corrupt_sent_gradients(self)
 
-    def _on_averaged_tensor(self, received: int) -> None:
-        super()._on_averaged_tensor(received)
-        injection.maybe_die_in_allreduce(self, received)
-
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        injection.maybe_die_in_allreduce_rounds(self)
         if "weight" in kwargs:
             kwargs["weight"] = injection.weight_to_send(kwargs["weight"])
         injection.maybe_send_bad_shapes()
@@ -63,13 +65,14 @@ FaultyGradientAverager.__name__ = LeanHiveGradientAverager.__name__
 FaultyPseudoGradientAverager.__name__ = PseudoGradientAverager.__name__
 
 
-class FaultyTrainerPeer(TrainerPeer):
-    grad_averager_class = FaultyGradientAverager
-    pseudo_grad_averager_class = FaultyPseudoGradientAverager
+FAULTY_AVERAGERS = {"sync": FaultyGradientAverager, "local": FaultyPseudoGradientAverager}
+"""What ``main`` puts in ``peer.swarm.optimizer.GRADIENT_AVERAGERS``, per --sync_mode."""
 
+
+class FaultyTrainerPeer(TrainerPeer):
     def _accumulate_gradients(self) -> float:
         loss_sum = super()._accumulate_gradients()
-        injection.maybe_corrupt_gradients(self.model, self.local_step)  # before the trainer's finiteness check
+        injection.maybe_corrupt_gradients(self.model, self.counters.local_step)  # before the trainer's finiteness check
         return loss_sum
 
     def _after_update(self, new_epoch: int) -> None:
@@ -78,5 +81,14 @@ class FaultyTrainerPeer(TrainerPeer):
         super()._after_update(new_epoch)  # NaN/inf check and recovery, periodic backup
 
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``peer.cli.main`` with the faulty averagers and ``FaultyTrainerPeer``."""
+    config = peer.cli.parse_config(argv)
+    optimizer.GRADIENT_AVERAGERS.update(FAULTY_AVERAGERS)  # before any averager process is forked
+    configure_logging()
+    process_guard.install()  # before any hivemind process exists
+    return run_peer(partial(FaultyTrainerPeer.build, config), events_file=config.events.events_file)
+
+
 if __name__ == "__main__":
-    sys.exit(peer.cli.main(sys.argv[1:], peer_class=FaultyTrainerPeer))
+    sys.exit(main(sys.argv[1:]))

@@ -59,7 +59,9 @@ class CollaborationArguments:
     """At max_epochs, wait at most this long for the other peers to get there too, then all take the same
     final parameters (from the peer elected by state-sharing priority); 0 skips this final barrier."""
     load_state_attempts: int = 3
-    """Tries to download the swarm's state when joining before training on with the local state."""
+    """At most this many peer downloads each time this peer needs the swarm's state (joining, recovering, re-syncing),
+    each from the next best peer; once all were asked, they are asked again after a pause (a peer a moment behind may
+    be ready then). Joining then trains on from the local state."""
     contribution_clip: float = 4.0
     """Robust averaging: NaN/inf contributions are dropped and each peer's deviation from the coordinate-wise
     median is clipped to this many times the median deviation (a bound on any one peer's influence); 0: plain
@@ -190,9 +192,10 @@ class TrainingArguments:
     output_dir: str = "outputs"
     """Where local backups and the final parameters are written."""
     per_device_batch_size: int = 8
-    """Sequences per micro-batch on each device."""
+    """Sequences per micro-batch on the device the model trains on."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches accumulated per local step (batch_size_per_step = micro-batch x this x devices)."""
+    """Micro-batches accumulated per local step (samples per local step = per_device_batch_size x this: the model
+    trains on one device, however many GPUs the host has)."""
     max_epochs: Optional[int] = None
     """Stop cleanly once the swarm reaches this global epoch (None: train until interrupted)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Any, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +63,19 @@ def open_events(path: Optional[str]) -> None:
             _sink = open(path, "a", encoding="utf-8")
 
 
-def _plain(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN/inf
+def finite_or_none(value) -> Optional[float]:
+    """``value`` as a float, or None when it is NaN/inf or not a number (JSON has no NaN/inf)."""
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN/inf float, however deeply nested in dicts, lists and tuples, replaced by None."""
+    if isinstance(value, float):
+        return finite_or_none(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -77,7 +87,7 @@ def emit(event: str, **fields) -> None:
         "event": event,
         "time": time.time(),
         "pid": os.getpid(),
-        **{name: _plain(value) for name, value in fields.items()},
+        **json_safe(fields),
     }
     try:
         line = json.dumps(record, default=str)

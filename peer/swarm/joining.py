@@ -85,8 +85,9 @@ def wait_for_swarm(
 def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, collab: CollaborationArguments) -> bool:
     """Load the swarm's state if anyone else is training; True if a state arrived.
 
-    hivemind's load_state_from_peers returns quietly when nobody answers, so the arrival is checked and
-    the download retried a few times before training on with the local state (logged as a warning).
+    hivemind's load_state_from_peers returns quietly when nobody answers, so the arrival is checked; the download
+    makes up to ``load_state_attempts`` peer downloads (``StateDownloadSettings``) before training on with the local
+    state (logged as a warning).
     """
     progress = optimizer.tracker.global_progress
     if progress.num_peers > 0 and optimizer.local_epoch > progress.epoch:
@@ -106,7 +107,7 @@ def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, col
         logger.info("No other peers reported progress: starting a new collaboration at epoch %d", optimizer.local_epoch)
         optimizer.tracker.mark_in_sync()
         return False
-    if download_state(optimizer, collab.load_state_attempts):
+    if optimizer.load_state_checked():
         logger.info("Loaded the swarm's state: now at global epoch %d", optimizer.local_epoch)
         optimizer.tracker.mark_in_sync()
         events.emit("state_loaded", epoch=optimizer.local_epoch, source="swarm", reason="join", path=None)
@@ -116,18 +117,6 @@ def join_swarm(optimizer: LeanHiveOptimizer, dht: hivemind.DHT, run_id: str, col
         "(hivemind retries when it notices this peer is behind)",
         optimizer.local_epoch,
     )
-    return False
-
-
-def download_state(optimizer: LeanHiveOptimizer, attempts: int, pause: float = 2.0) -> bool:
-    """Download and apply the swarm's state, retrying: nobody may answer yet, or the peers that answer may be a
-    moment behind (still applying the epoch this peer just finished; hivemind refuses such a state)."""
-    for attempt in range(1, attempts + 1):
-        if optimizer.load_state_checked():
-            return True
-        logger.warning("No peer sent a usable state (attempt %d of %d)", attempt, attempts)
-        if attempt < attempts:
-            time.sleep(min(pause * attempt, 5.0))
     return False
 
 

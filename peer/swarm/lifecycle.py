@@ -1,22 +1,33 @@
-"""The lifecycle every peer's entry point shares: logging set up once, signals, start/run/shutdown, exit.
+"""The lifecycle every peer's entry point shares: logging set up once, signals, build/run/shutdown, exit.
 
-``run_peer`` starts a peer (trainer or aux), runs it until it is done or signalled, always shuts it down, and ends
-the process with the right exit status. Entry points: parse, ``configure_logging()``, ``process_guard.install()``,
-then ``run_peer``.
+``run_peer`` builds a peer (trainer or aux) with its builder, runs it until it is done or signalled, always shuts
+it down, and ends the process with the right exit status. Entry points: parse, ``configure_logging()``,
+``process_guard.install()``, then ``run_peer(builder)``.
+
+A builder (``Builder``) makes a peer whole: it creates each part (DHT, optimizer, data, ...) and registers that
+part's shutdown on an ``ExitStack`` as soon as the part exists, then hands the finished parts to the peer's
+constructor. The stack is the one shutdown path of both peers: it closes in reverse order of building (the last
+part built is shut down first), also when the build was interrupted halfway, and every step runs even if an
+earlier one raised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import warnings
-from typing import Optional, Protocol, Tuple, Type
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Type
 
 from peer.swarm import events
 from peer.swarm.errors import NetworkSetupError
+
+if TYPE_CHECKING:  # imported lazily, like hivemind in configure_logging: a test peer needs neither
+    from peer.swarm.watchdog import DHTWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +52,31 @@ def configure_logging() -> None:
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
 
 
+@dataclass
+class PeerControl:
+    """What a peer shares with ``run_peer`` and its signal handler, from before the peer is built until it ends."""
+
+    stop_requested: threading.Event = field(default_factory=threading.Event)
+    """Set by a stop request: the peer finishes its current step (or wait), then returns from ``run``."""
+    running: bool = False
+    """False while the peer is being built (joining): a stop signal then interrupts at once."""
+    watchdog: Optional[DHTWatchdog] = None
+    """The swarm's watchdog, set by the builder once the DHT is up (None: none runs, as with --rejoin_period 0).
+    After the build a dead DHT stops the peer like a signal; its failure makes the exit status 1."""
+
+    def request_stop(self) -> None:
+        """Finish the current step, then stop (signal handlers call this)."""
+        self.stop_requested.set()
+
+
 class Peer(Protocol):
-    """What run_peer needs of a trainer or aux peer."""
+    """What run_peer needs of a built trainer or aux peer."""
 
-    stop_requested: threading.Event
-    running: bool  # False until start() has finished joining
-
-    def start(self) -> None: ...
     def run(self) -> None: ...
-    def request_stop(self) -> None: ...
-    def shutdown(self) -> None: ...
+
+
+Builder = Callable[[PeerControl, contextlib.ExitStack], Peer]
+"""Builds a peer whole (joining included) and registers each part's shutdown on the stack as it creates it."""
 
 
 STOP_GRACE_SECONDS = 20.0  # after a stop signal, the current step may take this long; shutdown gets the rest of 30 s
@@ -62,7 +88,7 @@ class _SignalHandler:
     a step still running STOP_GRACE_SECONDS later (e.g. an all-reduce waiting out averaging_timeout) stop at once
     (KeyboardInterrupt in the main thread); shutdown still writes the backup."""
 
-    def __init__(self, peer: Peer):
+    def __init__(self, peer: PeerControl):
         self.peer = peer
         self.shutting_down = False
         self._deadline: Optional[threading.Timer] = None
@@ -122,23 +148,25 @@ class _SignalHandler:
 
 
 def run_peer(
-    peer: Peer,
+    build: Builder,
     *,
     setup_errors: Tuple[Type[BaseException], ...] = (NetworkSetupError,),
     events_file: Optional[str] = None,
 ) -> int:
-    """Start, run until done or signalled, always shut down, then end the process (exit 1 on a setup error).
+    """Build, run until done or signalled, always shut down, then end the process (exit 1 on a setup error).
 
     ``events_file``: where the peer's lifecycle events go (peer.swarm.events), if anywhere."""
     events.open_events(events_file)
-    signals = _SignalHandler(peer)
+    control = PeerControl()
+    signals = _SignalHandler(control)
     code = 0
+    parts = contextlib.ExitStack()
     try:
-        peer.start()
+        peer = build(control, parts)
+        control.running = True
         # a dead DHT or p2pd (peer.swarm.watchdog) stops the peer like a signal would, and the exit status says so
-        watchdog = getattr(peer, "watchdog", None)
-        if watchdog is not None:
-            watchdog.add_failure_callback(lambda _reason: signals.stop_for("the swarm was lost"))
+        if control.watchdog is not None:
+            control.watchdog.add_failure_callback(lambda _reason: signals.stop_for("the swarm was lost"))
         peer.run()
     except setup_errors as e:
         logger.error("%s", e)
@@ -147,8 +175,8 @@ def run_peer(
         logger.warning("Interrupted: leaving without finishing the current step")
     finally:
         signals.begin_shutdown()
-        peer.shutdown()
-    failure = getattr(getattr(peer, "watchdog", None), "failure", None)
+        parts.close()
+    failure = control.watchdog.failure if control.watchdog is not None else None
     if failure is not None:
         logger.error("Exiting with status 1: %s", failure)
         code = 1

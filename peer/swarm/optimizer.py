@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from functools import partial
-from typing import List, Optional, Type
+from typing import Dict, List, Optional, Type
 
 import hivemind
 import torch
@@ -27,6 +27,7 @@ from peer.swarm.hivemind_seam import (
     LeanHiveGradientAverager,
     LeanHiveOptimizer,
     PseudoGradientAverager,
+    StateDownloadSettings,
     authorized_peer_ids,
 )
 from peer.swarm.lamb import CPULamb8Bit
@@ -127,6 +128,14 @@ def make_compression(args: CollaborationArguments) -> CompressionBase:
 
 # ------------------------------------------------------------------------------------------ factory
 
+GRADIENT_AVERAGERS: Dict[str, Type[LeanHiveGradientAverager]] = {
+    "sync": LeanHiveGradientAverager,
+    "local": PseudoGradientAverager,
+}
+"""The averager of each ``--sync_mode``'s all-reduce. LeanHive never changes this table; the tests' fault entry point
+(tests/support/fault_trainer.py) puts subclasses that inject faults here before it builds its peer, so no production
+signature or entry point takes an averager class."""
+
 
 def make_inner_optimizer(model: torch.nn.Module, optim: OptimizerArguments) -> CPULamb8Bit:
     """--sync_mode local: this peer's own 8-bit LAMB over the model's parameters (never shared)."""
@@ -145,8 +154,6 @@ def build_optimizer(
     client_mode: bool,
     reuse_grad_buffers: bool = False,
     auxiliary: bool = False,
-    grad_averager_class: Type[LeanHiveGradientAverager] = LeanHiveGradientAverager,
-    pseudo_grad_averager_class: Type[PseudoGradientAverager] = PseudoGradientAverager,
 ) -> LeanHiveOptimizer:
     """The collaborative optimizer: 8-bit LAMB offloaded to the CPU, averaged across the swarm.
 
@@ -163,14 +170,16 @@ def build_optimizer(
     # averager_opts reach only the state averager; the gradient averager gets the same through its factory
     averager_opts = dict(request_timeout=collab.request_timeout)
     # hivemind waits matchmaking_time for a sender's next chunk; in local mode a peer enters the round's all-reduce
-    # after its current local step (seconds), and a reducer that gave up on it kept its own pseudo-gradient in that
-    # shard (measured: "received 50.0% of input tensors", the pair apart after the round). Rounds take minutes there.
+    # after its current local step (seconds), and a reducer that gives up on it keeps its own pseudo-gradient in that
+    # shard ("received 50.0% of input tensors"), which leaves the peers' shared parameters apart after the round.
+    # Rounds take minutes in this mode, so waiting longer costs little.
     next_chunk_timeout = max(collab.matchmaking_time, allreduce_timeout / 3) if local else None
+    averager_class = GRADIENT_AVERAGERS[collab.sync_mode]
     if local:  # the averager of pseudo-gradients; the wrapped optimizer is the outer one (trainers own the inner)
-        grad_averager_factory = partial(pseudo_grad_averager_class, policy=policy, run_id=run_id, **averager_opts)
+        grad_averager_factory = partial(averager_class, policy=policy, run_id=run_id, **averager_opts)
         optimizer, scheduler = partial(make_outer_sgd, args=collab), None
     else:
-        grad_averager_factory = partial(grad_averager_class, policy=policy, **averager_opts)
+        grad_averager_factory = partial(averager_class, policy=policy, **averager_opts)
         optimizer, scheduler = partial(make_lamb, args=optim), partial(make_scheduler, args=optim)
     return LeanHiveOptimizer(
         policy=policy,
@@ -184,7 +193,9 @@ def build_optimizer(
         matchmaking_time=collab.matchmaking_time,
         averaging_timeout=collab.averaging_timeout,
         allreduce_timeout=allreduce_timeout,
-        load_state_timeout=collab.load_state_timeout,
+        download_settings=StateDownloadSettings(
+            attempts=collab.load_state_attempts, first_chunk_timeout=collab.load_state_timeout
+        ),
         next_chunk_timeout=next_chunk_timeout,
         offload_optimizer=True,
         reuse_grad_buffers=reuse_grad_buffers and not local,

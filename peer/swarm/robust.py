@@ -15,10 +15,10 @@ When nothing is clipped this is exactly the weighted mean, so honest swarms aver
 A contribution can move the result by at most ``clip_factor`` x median deviation / group size.
 
 Sample weights come from the senders and are bounded too (``bounded_weights``): NaN or negative weights count as 0,
-and no weight may exceed ``MAX_WEIGHT_RATIO`` x the lower median weight (an ``inf`` or 1e300 weight used to turn
-every shard into NaN, which receivers refuse: averaging was silently off). A part whose shape is not the shard's is
-dropped by the reducer (hivemind's sum broadcast a 1-element part into the whole shard; a stacked median failed
-and the round failed for everyone).
+and no weight may exceed ``MAX_WEIGHT_RATIO`` x the lower median weight (an ``inf`` or 1e300 weight would turn
+every shard into NaN, which receivers refuse: averaging would be silently off). A part whose shape is not the shard's
+is dropped by the reducer (hivemind's sum would broadcast a 1-element part into the whole shard, and a stacked median
+would fail the round for everyone).
 
 With two contributors the median cannot tell the faulty one, so each receiver bounds what the other can do to it
 (``bound_two_peer_update``): the averaged update of a tensor may move it by at most ``TWO_PEER_PULL`` x the norm of

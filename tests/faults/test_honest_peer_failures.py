@@ -54,25 +54,14 @@ def fill_disk(folder: Path, leave: int = 0) -> Path:
 
 def test_batch_size_per_step_counts_only_the_device_that_trains(monkeypatch, tmp_path):
     """On a multi-GPU host the model still trains on one device: N GPUs must not multiply the step's samples."""
-    from peer.model_setup import Placement
-    from peer.swarm.config import CollaborationArguments, OptimizerArguments, TrainingArguments
-    from peer.swarm.data import DataArguments
-    from peer.swarm.network import NetworkArguments
-    from peer.trainer import TrainerConfig, TrainerPeer
+    from peer.swarm.config import TrainingArguments
+    from peer.trainer import batch_size_per_step
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    config = TrainerConfig(
-        NetworkArguments(),
-        CollaborationArguments(),
-        OptimizerArguments(),
-        TrainingArguments(output_dir=str(tmp_path), per_device_batch_size=3, gradient_accumulation_steps=2),
-        DataArguments(),
-    )
-    peer = TrainerPeer(config)
-    peer.placement = Placement(device=torch.device("cuda", 0), autocast_dtype=None)
-    assert peer.batch_size_per_step == 6
-    peer.placement = Placement(device=torch.device("cpu"), autocast_dtype=None)
-    assert peer.batch_size_per_step == 6
+    training = TrainingArguments(output_dir=str(tmp_path), per_device_batch_size=3, gradient_accumulation_steps=2)
+    assert batch_size_per_step(training) == 6
+    training = TrainingArguments(output_dir=str(tmp_path), per_device_batch_size=3, device="cuda")
+    assert batch_size_per_step(training) == 3
 
 
 # ------------------------------------------------------------------------------------------- Hub uploader
@@ -186,8 +175,11 @@ def test_a_full_disk_during_a_periodic_backup_keeps_training_and_the_previous_ba
     loadable, and the backup is retried at the next epoch once there is space."""
     from benchmarks.testbed.processes import share_tensors_by_file_descriptor
     from peer import backup
+    from peer.model_setup import Placement
+    from peer.strategies import SyncTraining
     from peer.swarm.config import CollaborationArguments, OptimizerArguments, TrainingArguments
     from peer.swarm.data import DataArguments
+    from peer.swarm.lifecycle import PeerControl
     from peer.swarm.network import NetworkArguments
     from peer.trainer import TrainerConfig, TrainerPeer
     from tests.swarm.test_optimizer_state import _peer_on
@@ -203,8 +195,18 @@ def test_a_full_disk_during_a_periodic_backup_keeps_training_and_the_previous_ba
                 TrainingArguments(output_dir=str(disk), backup_every_epochs=2),
                 DataArguments(),
             )
-            peer = TrainerPeer(config)
-            peer.model, peer.optimizer = model, opt
+            peer = TrainerPeer(
+                config=config,
+                control=PeerControl(),
+                dht=dht,
+                public_key=b"",
+                watchdog=None,
+                model=model,
+                placement=Placement(device=torch.device("cpu"), autocast_dtype=None),
+                optimizer=opt,
+                strategy=SyncTraining(opt, 4),
+                batches=iter(()),
+            )
 
             def one_epoch():
                 model(torch.randn(4, 8)).sum().backward()

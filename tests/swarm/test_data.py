@@ -178,11 +178,60 @@ def test_make_batches_reshapes_blocks_to_the_current_length_without_dropping_tok
     assert torch.equal(torch.cat([b["input_ids"].reshape(-1) for b in fixed]), torch.arange(len(fixed) * 80))
 
 
+def make_mlm_batch(
+    input_ids: torch.Tensor,
+    tokenizer,
+    mlm_probability: float = 0.15,
+    generator: torch.Generator | None = None,
+    sentence_order: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Masked-LM and sentence-order-prediction inputs from packed rows ``[batch, seq]``.
+
+    Sentence order (ALBERT): each row is cut in two halves that are swapped with probability 0.5;
+    ``sentence_order_label`` is 1 where swapped and ``token_type_ids`` mark the second half.
+    Masking (BERT): ``mlm_probability`` of the non-special tokens are selected; of those 80% become
+    [MASK], 10% a random token and 10% stay. ``labels`` holds the original id there and -100 elsewhere.
+    """
+    if not 0.0 < mlm_probability < 1.0:
+        raise ValueError(f"mlm_probability must be in (0, 1), e.g. 0.15; got {mlm_probability}")
+    if tokenizer.mask_token_id is None:
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path!r} has no mask token; the MLM head needs one "
+            f"(the shipped tokenizer has [MASK])"
+        )
+    batch, length = input_ids.shape
+    input_ids = input_ids.clone()
+    out: dict[str, torch.Tensor] = {}
+    if sentence_order:
+        first = length // 2
+        swapped = torch.rand(batch, generator=generator) < 0.5
+        input_ids[swapped] = torch.cat([input_ids[swapped, first:], input_ids[swapped, :first]], dim=1)
+        # After a swap the first segment is the original second half, of length - first tokens.
+        boundary = torch.where(swapped, length - first, first)
+        out["token_type_ids"] = (torch.arange(length).unsqueeze(0) >= boundary.unsqueeze(1)).long()
+        out["sentence_order_label"] = swapped.long()
+
+    special_ids = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    maskable = ~torch.isin(input_ids, special_ids)
+    selected = (torch.rand(input_ids.shape, generator=generator) < mlm_probability) & maskable
+    labels = torch.where(selected, input_ids, torch.full_like(input_ids, -100))
+    action = torch.rand(input_ids.shape, generator=generator)
+    to_mask = selected & (action < 0.8)
+    to_random = selected & (action >= 0.8) & (action < 0.9)
+    allowed = torch.ones(len(tokenizer), dtype=torch.bool)
+    allowed[special_ids[special_ids < len(tokenizer)]] = False
+    candidates = allowed.nonzero().squeeze(1)
+    random_ids = candidates[torch.randint(len(candidates), input_ids.shape, generator=generator)]
+    input_ids = torch.where(to_mask, torch.full_like(input_ids, tokenizer.mask_token_id), input_ids)
+    input_ids = torch.where(to_random, random_ids, input_ids)
+    return {"input_ids": input_ids, "labels": labels, **out}
+
+
 def test_make_mlm_batch_masks_like_albert(tokenizer):
     generator = torch.Generator().manual_seed(0)
     rows = torch.randint(7, len(tokenizer), (16, 64), generator=generator)
     rows[:, 10] = tokenizer.eos_token_id
-    batch = data.make_mlm_batch(rows, tokenizer, 0.15, generator)
+    batch = make_mlm_batch(rows, tokenizer, 0.15, generator)
     assert set(batch) == {"input_ids", "labels", "token_type_ids", "sentence_order_label"}
     swapped = batch["sentence_order_label"].bool()
     assert 0 < swapped.sum() < 16

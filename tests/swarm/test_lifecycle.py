@@ -48,21 +48,17 @@ _STUCK_PEER = textwrap.dedent("""
     import peer.swarm.lifecycle as cli
 
     class StuckPeer:  # its step never ends by itself, like an all-reduce waiting out a long averaging_timeout
-        def __init__(self):
-            self.stop_requested, self.running = threading.Event(), False
-        def start(self):
-            self.running = True
+        @classmethod
+        def build(cls, control, parts):
+            parts.callback(print, "backup written", flush=True)
+            return cls()
         def run(self):
             print("running", flush=True)
             threading.Event().wait()
-        def request_stop(self):
-            self.stop_requested.set()
-        def shutdown(self):
-            print("backup written", flush=True)
 
     logging.basicConfig(level=logging.INFO)
     cli.STOP_GRACE_SECONDS = float(sys.argv[1])
-    cli.run_peer(StuckPeer())
+    cli.run_peer(StuckPeer.build)
 """)
 
 
@@ -83,31 +79,29 @@ def test_a_stop_signal_interrupts_a_step_that_overruns_the_grace_period(tmp_path
 
 
 _SWALLOWING_PEER = textwrap.dedent("""
-    import logging, sys, threading
+    import functools, logging, sys, threading
     import peer.swarm.lifecycle as cli
 
     class SwallowingPeer:  # the stop-now KeyboardInterrupt lands where Python only prints it, like an at-fork hook
-        def __init__(self, after):
-            self.stop_requested, self.running, self.after = threading.Event(), False, after
-        def start(self):
+        def __init__(self, control):
+            self.control = control
+        @classmethod
+        def build(cls, after, control, parts):
+            parts.callback(print, "backup written", flush=True)
             print("joining", flush=True)
             try:
                 threading.Event().wait()
             except KeyboardInterrupt:
                 print("interrupt swallowed", flush=True)
-            if self.after == "stuck":  # still joining: only a second interrupt gets it out
+            if after == "stuck":  # still joining: only a second interrupt gets it out
                 threading.Event().wait()
+            return cls(control)
         def run(self):
-            self.running = True
-            print("run entered, stop requested:", self.stop_requested.is_set(), flush=True)
-        def request_stop(self):
-            self.stop_requested.set()
-        def shutdown(self):
-            print("backup written", flush=True)
+            print("run entered, stop requested:", self.control.stop_requested.is_set(), flush=True)
 
     logging.basicConfig(level=logging.INFO)
     cli.STOP_RETRY_SECONDS = 1.0
-    cli.run_peer(SwallowingPeer(sys.argv[1]))
+    cli.run_peer(functools.partial(SwallowingPeer.build, sys.argv[1]))
 """)
 
 

@@ -61,10 +61,12 @@ def test_trainer_steps_with_per_block_grad_scaling_in_fp16():
     from model import LeanGPTForCausalLM, apply_memory_options
     from peer.grad_scaling import BlockScalePolicy, PerBlockGradScaler
     from peer.model_setup import Placement
+    from peer.strategies import SyncTraining
     from peer.swarm.config import TrainingArguments
     from peer.swarm.data import DataArguments
+    from peer.swarm.lifecycle import PeerControl
     from peer.swarm.network import NetworkArguments
-    from peer.trainer import EpochStats, TrainerConfig, TrainerPeer
+    from peer.trainer import EpochStats, TrainerConfig, TrainerPeer, batch_size_per_step
     from tests.support.model import VOCAB, small_config
 
     share_tensors_by_file_descriptor()
@@ -77,13 +79,21 @@ def test_trainer_steps_with_per_block_grad_scaling_in_fp16():
             precision="fp16", per_block_grad_scaling=True, per_device_batch_size=2, gradient_accumulation_steps=2
         )
         collab = CollaborationArguments(target_batch_size=4, matchmaking_time=1.0)
-        peer = TrainerPeer(TrainerConfig(NetworkArguments(), collab, OptimizerArguments(), training, DataArguments()))
-        peer.model, peer.optimizer = model, opt
-        peer.placement = Placement(device=torch.device("cpu"), autocast_dtype=torch.float16)
-        # torch's policy (no headroom check), every step: each block's factor moves at every step
-        peer.block_scaler = PerBlockGradScaler(model, BlockScalePolicy(growth_interval=1, growth_headroom=0))
         generator = torch.Generator().manual_seed(0)
-        peer._batches = iter(lambda: {"input_ids": torch.randint(0, VOCAB, (2, 16), generator=generator)}, None)
+        peer = TrainerPeer(
+            config=TrainerConfig(NetworkArguments(), collab, OptimizerArguments(), training, DataArguments()),
+            control=PeerControl(),
+            dht=dht,
+            public_key=b"",
+            watchdog=None,
+            model=model,
+            placement=Placement(device=torch.device("cpu"), autocast_dtype=torch.float16),
+            optimizer=opt,
+            strategy=SyncTraining(opt, batch_size_per_step(training)),
+            batches=iter(lambda: {"input_ids": torch.randint(0, VOCAB, (2, 16), generator=generator)}, None),
+            # torch's policy (no headroom check), every step: each block's factor moves at every step
+            block_scaler=PerBlockGradScaler(model, BlockScalePolicy(growth_interval=1, growth_headroom=0)),
+        )
         before = [p.detach().clone() for p in model.parameters()]
         stats = EpochStats(epoch=opt.local_epoch)
         for _ in range(3):
@@ -200,21 +210,3 @@ def test_states_with_nan_values_are_neither_served_nor_applied(monkeypatch):
         for dht, opt in peers:
             opt.shutdown()
             dht.shutdown()
-
-
-def test_state_download_is_retried_while_the_peers_catch_up():
-    """The peers that answer may be a moment behind (hivemind refuses their state): the download is retried."""
-    from peer.swarm.joining import download_state
-
-    class _Optimizer:
-        def __init__(self, answers):
-            self.answers, self.calls = iter(answers), 0
-
-        def load_state_checked(self):
-            self.calls += 1
-            return next(self.answers)
-
-    late = _Optimizer([False, False, True])
-    assert download_state(late, attempts=3, pause=0.01) and late.calls == 3
-    never = _Optimizer([False] * 5)
-    assert not download_state(never, attempts=2, pause=0.01) and never.calls == 2

@@ -95,11 +95,13 @@ def test_production_code_has_no_fault_hooks():
 
 def test_the_faulty_gradient_averager_keeps_the_production_rpc_names():
     """hivemind names averaging RPCs after the averager class: a faulty peer must still average with the others."""
-    from benchmarks.testbed.fault_trainer import FaultyGradientAverager, FaultyTrainerPeer
+    from benchmarks.testbed.fault_trainer import FAULTY_AVERAGERS, FaultyGradientAverager
     from peer.swarm.hivemind_seam import LeanHiveGradientAverager
+    from peer.swarm.optimizer import GRADIENT_AVERAGERS
 
     assert issubclass(FaultyGradientAverager, LeanHiveGradientAverager)
-    assert FaultyTrainerPeer.grad_averager_class is FaultyGradientAverager
+    assert FAULTY_AVERAGERS["sync"] is FaultyGradientAverager and FAULTY_AVERAGERS.keys() == GRADIENT_AVERAGERS.keys()
+    assert all(issubclass(FAULTY_AVERAGERS[mode], GRADIENT_AVERAGERS[mode]) for mode in GRADIENT_AVERAGERS)
     assert FaultyGradientAverager._get_handle_name(
         "run_grad_averager", "rpc_join_group"
     ) == LeanHiveGradientAverager._get_handle_name("run_grad_averager", "rpc_join_group")

@@ -1,9 +1,9 @@
 """Fault injection for tests, driven by environment variables (no CLI flag: users never need it).
 
 Only the test entry point ``benchmarks/testbed/fault_trainer.py`` acts on these (its ``FaultyTrainerPeer`` and
-``FaultyGradientAverager`` call the functions below from the trainer's extension points); ``run_trainer.py``
-cannot inject faults. ``benchmarks.testbed.trainers.start_trainer`` starts that entry point whenever the
-environment it is given holds one of these variables.
+``FaultyGradientAverager`` subclasses call the functions below); ``run_trainer.py`` cannot inject faults.
+``benchmarks.testbed.trainers.start_trainer`` starts that entry point whenever the environment it is given holds one of
+these variables.
 
 - ``LEANHIVE_FAULT_NAN_GRAD_STEPS=3,4``: after backward at these local steps, one gradient becomes NaN.
 - ``LEANHIVE_FAULT_NAN_PARAM_EPOCHS=2``: the first time the peer reaches these global epochs, one parameter
@@ -164,8 +164,30 @@ def record_averaging(sent, tensors, error=None) -> None:
 _allreduce_rounds = 0  # gradient all-reduce rounds this averager process took part in
 
 
+def maybe_die_in_allreduce_rounds(averager) -> None:
+    """Called in the averager process before each all-reduce round (``LEANHIVE_FAULT_DIE_IN_ALLREDUCE``): from then
+    on, every averaged tensor this process receives from a round's runner goes through ``maybe_die_in_allreduce``
+    (counted from 1 in each round). The runner class of this process alone is wrapped."""
+    from hivemind.averaging.allreduce import AllReduceRunner
+
+    from peer.swarm.hivemind_seam import BoundedAllReduceRunner
+
+    if not os.environ.get(DIE_IN_ALLREDUCE_ENV, "").strip() or getattr(BoundedAllReduceRunner, "_counted", False):
+        return
+
+    async def counted(self):
+        received = 0
+        async for update in AllReduceRunner.run(self):
+            received += 1
+            maybe_die_in_allreduce(averager, received)
+            yield update
+
+    BoundedAllReduceRunner.run = counted
+    BoundedAllReduceRunner._counted = True
+
+
 def maybe_die_in_allreduce(averager, tensors_received: int) -> None:
-    """Called by the averager process for every averaged tensor it receives; SIGKILLs the peer when told to."""
+    """For every averaged tensor the averager process receives; SIGKILLs the peer when told to."""
     global _allreduce_rounds
     from hivemind.optim.grad_averager import GradientAverager
 

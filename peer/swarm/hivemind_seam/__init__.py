@@ -41,21 +41,19 @@ Averaging (both averagers of hivemind.Optimizer)
 
 State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
 - ``_load_state_from_peers`` (override of a private method, runs in the averager process; replaces hivemind's):
-  tries the peers that declared their state in turn (at most ``MAX_STATE_CANDIDATES``, priority capped at the epoch
-  bound + 1; only the peers the host names, if it does: the round agreement of ``--sync_mode local``), each
-  within a time derived from the state's size (first chunk within load_state_timeout, then ``STATE_CHUNK_TIMEOUT`` per
-  chunk; hivemind's 3 s per-request timeout cut real downloads) and at most the expected
-  size; hands over only a state that passed ``check_downloaded_state`` (structure, shapes, dtypes, finiteness,
-  epoch bound, optimizer hyper-parameters and 8-bit state sizes), so nothing is half applied. It uses the private
-  ``_matchmaking`` (the declarations' key), ``serializer``, ``next_chunk_timeout``; the host sends the epoch bound
-  through the private ``_outer_pipe``.
+  downloads by ``StateDownloadSettings``, the one retry policy of a state download: at most ``attempts``
+  (--load_state_attempts) peer downloads per request, each from the best peer not yet asked (priority capped at the
+  epoch bound + 1; only the peers the host names, if it does: the round agreement of ``--sync_mode local``), the
+  declarations read again after a pause once every peer was asked. Each download has a time derived from the
+  state's size (first chunk within load_state_timeout, then ``STATE_CHUNK_TIMEOUT`` per chunk; hivemind's 3 s
+  per-request timeout cut real downloads) and at most the expected size; only a state that passed
+  ``check_downloaded_state`` (structure, shapes, dtypes, finiteness, epoch bounds, optimizer hyper-parameters and
+  8-bit state sizes) is handed over, so nothing is half applied. It uses the private ``_matchmaking`` (the
+  declarations' key), ``serializer``, ``next_chunk_timeout``; the host sends the epoch bounds through the private
+  ``_outer_pipe``.
 - ``load_state_from_peers`` / ``_update_scheduler`` (private) / ``step`` / ``get_current_state``: tell whether a
   download was applied (hivemind returns quietly when nobody answers), label the served state with the epoch its
   parameters are really at, snapshot it under ``lock_optimizer`` and refuse to serve NaN/inf.
-
-Gradient averager (``LeanHiveGradientAverager(GradientAverager)``)
-- ``_on_averaged_tensor``: an extension point (does nothing) called for each averaged tensor received; the tests'
-  fault entry point overrides it.
 
 Pseudo-gradient averager (``PseudoGradientAverager(LeanHiveGradientAverager)``, ``--sync_mode local``)
 - ``load_accumulators_into_averager_``: writes ``shared parameters - local parameters`` (the pseudo-gradient of the
@@ -70,7 +68,7 @@ Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
 - ``_make_progress_tracker`` (private factory): builds ``LeanHiveProgressTracker``.
 - ``_load_local_gradients_into_optimizer`` (private): hivemind's fallback when an all-reduce failed; in
   ``--sync_mode local`` it also flags ``missed_round`` so the trainer downloads the swarm's shared state.
-- ``load_state_from_peers``: hivemind's with a bounded number of attempts (hivemind retried ``while True``), the
+- ``load_state_from_peers``: hivemind's as one request of the state averager (hivemind retried ``while True``), the
   epoch bound (``download_epoch_bound``) passed to the state averager, a refutation of epoch claims the downloaded
   state does not reach (``LeanHiveProgressTracker.refute_claims_above``), and without the gradient averager's
   download (hivemind downloaded that state and discarded it). Uses the private ``scheduled_grads`` /
@@ -116,6 +114,7 @@ from peer.swarm.hivemind_seam.averaging import (
     LeanHiveOptimizer,
     LeanHiveStateAverager,
     PseudoGradientAverager,
+    StateDownloadSettings,
     download_epoch_bound,
     sync_offloaded_parameters,
 )
@@ -150,6 +149,7 @@ __all__ = [
     "LeanHiveStateAverager",
     "PseudoGradientAverager",
     "RecordSizeValidator",
+    "StateDownloadSettings",
     "SwarmKeyValidator",
     "authorized_peer_ids",
     "download_epoch_bound",

@@ -188,7 +188,6 @@ class _PolicyAveraging:
             two_peers = two_peers and len(runner.sender_peer_ids) == 2 and runner.weight > 0
             async for tensor, update in azip(as_aiter(*tensors), runner):
                 received += 1
-                self._on_averaged_tensor(received)
                 refused += keep_local_where_not_finite(update)
                 if two_peers:
                     bounded += bound_two_peer_update(update, tensor)
@@ -211,10 +210,6 @@ class _PolicyAveraging:
     """Bound each tensor's update in a two-contributor round (``bound_two_peer_update``): gradients only (a
     parameter or statistic tensor may legitimately be all zeros, which would freeze it)."""
 
-    def _on_averaged_tensor(self, received: int) -> None:
-        """Called in the averager process for each averaged tensor received (counted from 1 in each round); an
-        extension point for the tests' fault entry point, nothing to do here."""
-
 
 def _finite_floats(tensors) -> bool:
     return all_finite(t for t in tensors if t.is_floating_point())  # 8-bit codes are always finite
@@ -222,23 +217,59 @@ def _finite_floats(tensors) -> bool:
 
 DOWNLOAD_EPOCH_LEAD = 4
 """A downloaded state may be at most this many epochs beyond the swarm's consensus (the larger of the local and the
-progress tracker's epoch): a label of 10**12 hung the scheduler loop for weeks or ended the run at max_epochs."""
+progress tracker's epoch): a label of 10**12 would hang the scheduler loop (it replays every epoch) or end the run
+at max_epochs."""
 BOUND_REFRESH_SECONDS = 5.0
 """A download that took longer than this re-reads the swarm's consensus before the epoch check (the swarm moved on)."""
-MAX_STATE_CANDIDATES = 3
-"""Peers a state download tries in turn (highest capped priority first) before giving up for this attempt."""
 STATE_CHUNK_TIMEOUT = 20.0
 """Once a peer started sending its state, the longest wait for each next chunk (hivemind used request_timeout,
 3 s at most, for every chunk including the first: the server's snapshot alone can take longer)."""
 MIN_STATE_RATE = 250_000.0
 """Bytes/s below which a download is given up: a 20 Mbit/s link (2.5 MB/s) at a tenth of its speed. With the
 state's size it bounds a download that trickles forever (``state_download_seconds``)."""
+MAX_RETRY_PAUSE = 5.0
+"""The longest pause before the peers that declared their state are asked again (``StateDownloadSettings``)."""
 
 
 def state_download_seconds(state_bytes: int, first_chunk_timeout: float) -> float:
     """The longest one peer may take to send a state of ``state_bytes``: its first chunk within
     ``first_chunk_timeout`` (load_state_timeout), the rest at ``MIN_STATE_RATE`` or faster."""
     return first_chunk_timeout + state_bytes / MIN_STATE_RATE
+
+
+@dataclass(frozen=True)
+class StateDownloadSettings:
+    """How a peer downloads the swarm's state (parameters and optimizer statistics), whoever asks for it: joining,
+    recovering from NaN/inf parameters, a missed round or a lost vote of --sync_mode local, the final barrier,
+    hivemind's own catch-up, an aux peer's checkpoint.
+
+    The retry policy, the only one: one request makes **at most ``attempts`` peer downloads**, each from the best
+    peer (highest capped priority) not yet asked in this request. A download fails when the peer does not answer in
+    time or sends a state that is refused (wrong shapes or settings, NaN/inf, an epoch beyond the swarm's consensus or
+    behind this peer's). Once every peer that declared its state was asked, or when none did, the declarations are
+    read again after a pause of ``retry_pause`` x (the pauses so far + 1), at most ``MAX_RETRY_PAUSE`` s: a peer a
+    moment behind (still applying the epoch this peer just finished) may be ready then."""
+
+    attempts: int = 3
+    """At most this many peer downloads per request (--load_state_attempts)."""
+    first_chunk_timeout: float = 120.0
+    """Seconds a peer may take to start sending its state (--load_state_timeout); the rest of one download is
+    bounded by the state's size (``state_download_seconds``)."""
+    retry_pause: float = 2.0
+    """Seconds before the peers are asked again, times the number of such pauses in the request so far."""
+
+    def __post_init__(self):
+        if not (isinstance(self.attempts, int) and self.attempts >= 1):
+            raise ValueError(f"attempts must be an integer >= 1, got {self.attempts!r}")
+
+    def pause(self, pauses_before: int) -> float:
+        """The pause before the peers are asked again, when ``pauses_before`` pauses were made in this request."""
+        return min(self.retry_pause * (pauses_before + 1), MAX_RETRY_PAUSE)
+
+    def request_seconds(self, state_bytes: int) -> float:
+        """The longest one request may take: every attempt a whole download, every pause taken."""
+        pauses = sum(self.pause(k) for k in range(self.attempts - 1))
+        return self.attempts * state_download_seconds(state_bytes, self.first_chunk_timeout) + pauses
 
 
 def _is_number(value) -> bool:
@@ -291,20 +322,26 @@ def _check_optimizer_metadata(local_state: dict, remote_flat) -> Optional[str]:
 
 class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
     """TrainingStateAverager that can tell whether a state download was applied (hivemind returns quietly when
-    nobody answers), serves consistent and finite snapshots, and applies ``policy`` (allowlist for its RPCs,
-    bounded contributions, finite downloads only)."""
+    nobody answers), serves consistent and finite snapshots, applies ``policy`` (allowlist for its RPCs, bounded
+    contributions, finite downloads only) and downloads by ``download_settings`` (one retry policy)."""
 
-    _loading = False
-    applied_epoch: Optional[int] = None
-    # The epoch the parameters really are at, while local_epoch runs ahead of them: hivemind bumps local_epoch
-    # before the optimizer step that produces that epoch's parameters, and hivemind.Optimizer bumps it after a
-    # download to catch up with the swarm. None: the parameters are at local_epoch.
-    _params_epoch: Optional[int] = None
-
-    # set in the averager process before each download (``_set_download_bound``): the highest epoch the swarm's
-    # consensus allows a downloaded state to carry (None: no bound)
-    _max_download_epoch: Optional[int] = None
-    _local_layout: Optional[Tuple[list, dict]] = None
+    def __init__(self, *args, download_settings: StateDownloadSettings = StateDownloadSettings(), **kwargs):
+        # all set before hivemind's __init__, which forks the averager process (it inherits them)
+        self.download_settings = download_settings
+        self.applied_epoch: Optional[int] = None  # the epoch of the last download, if it was applied
+        self._loading = False  # a download is being applied (host process)
+        # The epoch the parameters really are at, while local_epoch runs ahead of them: hivemind bumps local_epoch
+        # before the optimizer step that produces that epoch's parameters, and hivemind.Optimizer bumps it after a
+        # download to catch up with the swarm. None: the parameters are at local_epoch.
+        self._params_epoch: Optional[int] = None
+        self._local_layout: Optional[Tuple[list, dict]] = None  # see _layout
+        # set in the averager process before each download (``_set_download_bound``): the epochs a downloaded state
+        # may carry (None: no bound), the progress key that re-reads the consensus, the peers it may come from
+        self._max_download_epoch: Optional[int] = None
+        self._min_download_epoch: Optional[int] = None
+        self._progress_key: Optional[str] = None
+        self._only_from: Optional[FrozenSet[bytes]] = None  # peer IDs (bytes); None: any
+        super().__init__(*args, **kwargs)
 
     def state_bytes(self) -> int:
         """The size of this peer's state as served (what a download of the same state transfers, uncompressed)."""
@@ -330,6 +367,8 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
             return f"its epoch {epoch!r} is not a non-negative integer"
         if self._max_download_epoch is not None and epoch > self._max_download_epoch:
             return f"its epoch {epoch} is beyond the swarm's consensus (at most {self._max_download_epoch})"
+        if self._min_download_epoch is not None and epoch < self._min_download_epoch:
+            return f"its epoch {epoch} is behind this peer's ({self._min_download_epoch}); it may catch up"
         layout, local_state = self._layout()
         if not isinstance(tensors, (list, tuple)) or len(tensors) != len(layout):
             return f"it has {len(tensors)} tensors, this peer's state has {len(layout)}"
@@ -344,15 +383,14 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
     async def _set_download_bound(
         self,
         max_epoch: Optional[int],
+        min_epoch: Optional[int],
         progress_key: Optional[str],
         future: MPFuture,
         only_from: Optional[FrozenSet[bytes]] = None,
     ):
-        self._max_download_epoch, self._progress_key, self._only_from = max_epoch, progress_key, only_from
+        self._max_download_epoch, self._min_download_epoch = max_epoch, min_epoch
+        self._progress_key, self._only_from = progress_key, only_from
         future.set_result(None)
-
-    _progress_key: Optional[str] = None
-    _only_from: Optional[FrozenSet[bytes]] = None  # peer IDs (bytes) the next download may come from; None: any
 
     def _raise_bound_to_fresh_consensus(self) -> None:
         """The swarm moved on during a long download: lift the bound to today's consensus (never lower it)."""
@@ -367,8 +405,8 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
             self._max_download_epoch = max(self._max_download_epoch, fresh + DOWNLOAD_EPOCH_LEAD)
 
     async def _load_state_from_peers(self, future, timeout: Optional[float] = None):
-        """Replaces hivemind's: tries candidate peers in turn (capped priority), each within a bounded time and
-        size, and hands over only a state that passed ``check_downloaded_state``; None when none did."""
+        """Replaces hivemind's: downloads by ``download_settings`` (each peer within a bounded time and size) and
+        hands over only a state that passed ``check_downloaded_state``; None when none did."""
         loaded = None
         try:
             loaded = await self._download_checked_state()
@@ -403,40 +441,54 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
         return sorted(ranked, key=ranked.get, reverse=True)
 
     async def _download_checked_state(self):
-        candidates = self._state_candidates()
-        if not candidates:
-            logger.info("No peer declared its state for download")
-            return None
+        """The retry policy of ``StateDownloadSettings``: at most ``attempts`` peer downloads, each from the best
+        peer not yet asked, the declarations read again after a pause once every peer was asked (or none was)."""
+        settings = self.download_settings
         expected = self.state_bytes()
-        first_chunk = self._first_chunk_timeout
-        per_peer = state_download_seconds(expected, first_chunk)
+        per_peer = state_download_seconds(expected, settings.first_chunk_timeout)
         began = time.monotonic()
-        deadline = began + MAX_STATE_CANDIDATES * per_peer
-        for peer in candidates[:MAX_STATE_CANDIDATES]:
+        deadline = began + settings.request_seconds(expected)
+        asked, pauses = set(), 0
+        for attempt in range(1, settings.attempts + 1):
+            candidates = [peer for peer in self._state_candidates() if peer not in asked]
+            if not candidates and attempt > 1:
+                await asyncio.sleep(settings.pause(pauses))
+                pauses += 1
+                asked.clear()
+                candidates = self._state_candidates()
+            if not candidates:
+                logger.info("No peer declared its state for download (attempt %d of %d)", attempt, settings.attempts)
+                continue
+            peer = candidates[0]
+            asked.add(peer)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             started = time.monotonic()
             try:
                 metadata, tensors = await asyncio.wait_for(
-                    self._download_from(peer, expected, first_chunk), timeout=min(per_peer, remaining)
+                    self._download_from(peer, expected, settings.first_chunk_timeout),
+                    timeout=min(per_peer, remaining),
                 )
             except Exception as e:
-                logger.warning("Could not download the state from %s: %r; trying the next peer", peer, e)
+                logger.warning(
+                    "Could not download the state from %s (attempt %d of %d): %r", peer, attempt, settings.attempts, e
+                )
                 continue
             if time.monotonic() - began > BOUND_REFRESH_SECONDS:  # since the bound was set
                 self._raise_bound_to_fresh_consensus()
             reason = self.check_downloaded_state(metadata, tensors)
             if reason is not None:
-                logger.warning("Not applying the state from %s: %s; trying the next peer", peer, reason)
+                logger.warning(
+                    "Not applying the state from %s (attempt %d of %d): %s", peer, attempt, settings.attempts, reason
+                )
                 continue
             logger.info(
                 "Downloaded the state (%.1f MB) from %s in %.1f s", expected / 1e6, peer, time.monotonic() - started
             )
             return metadata, tensors
+        logger.warning("No peer sent a usable state in %d attempts", settings.attempts)
         return None
-
-    _first_chunk_timeout: float = 60.0  # set from load_state_timeout by the host before each download
 
     async def _download_from(self, peer: PeerID, expected_bytes: int, first_chunk_timeout: float):
         """One peer's state: the first chunk within ``first_chunk_timeout``, every next one within
@@ -516,30 +568,30 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
         only_from: Optional[FrozenSet[bytes]] = None,
         **kwargs,
     ):
-        """hivemind's download and apply, with ``max_epoch`` (the swarm's consensus allows no later state), only from
-        the peers ``only_from`` if given, and a wait as long as the download may take (hivemind waited
-        load_state_timeout and left the transfer running)."""
+        """hivemind's download and apply, by ``download_settings``, with ``max_epoch`` (the swarm's consensus allows
+        no later state), only from the peers ``only_from`` if given, and a wait as long as the request may take
+        (hivemind waited load_state_timeout and left the transfer running)."""
         self.applied_epoch, self._loading = None, True
-        first_chunk = kwargs.get("timeout") or self._first_chunk_timeout
-        self._first_chunk_timeout = first_chunk  # the host's copy, for state_bytes' budget below
         bound = MPFuture()
         self._outer_pipe.send(
             (
                 "_set_download_bound",
                 [],
-                dict(max_epoch=max_epoch, progress_key=progress_key, future=bound, only_from=only_from),
+                dict(
+                    max_epoch=max_epoch,
+                    min_epoch=self.local_epoch,  # hivemind refuses an older state: the next peer is asked instead
+                    progress_key=progress_key,
+                    future=bound,
+                    only_from=only_from,
+                ),
             )
         )
         bound.result(timeout=30)
-        self._outer_pipe.send(("_set_first_chunk_timeout", [], dict(seconds=first_chunk)))
-        kwargs["timeout"] = MAX_STATE_CANDIDATES * state_download_seconds(self.state_bytes(), first_chunk) + 30
+        kwargs["timeout"] = self.download_settings.request_seconds(self.state_bytes()) + 30
         try:
             return super().load_state_from_peers(**kwargs)
         finally:
             self._loading = False
-
-    async def _set_first_chunk_timeout(self, seconds: float) -> None:
-        self._first_chunk_timeout = seconds
 
     def _update_scheduler(self):
         # TrainingStateAverager calls this right after applying a downloaded state (the one exact sign that the
@@ -578,8 +630,8 @@ class PseudoGradientAverager(LeanHiveGradientAverager):
     _bound_two_peer_rounds = False
     # The two-peer bound of gradients (``bound_two_peer_update``) bounds each receiver by its own contribution, so
     # the two peers of a round apply different results: harmless for one gradient step, but here it leaves their
-    # shared parameters apart (the mode's invariant is that every peer holds the same ones; measured 3e-3 and 6e-3
-    # after honest two-peer rounds). With two contributors no rule can tell the faulty one; with three or more the
+    # shared parameters apart (the mode's invariant is that every peer holds the same ones), even after honest
+    # two-peer rounds. With two contributors no rule can tell the faulty one; with three or more the
     # reducer's bounded_mean applies, and it gives every receiver the same result.
 
     def __init__(self, parameters, *, run_id: str, prefix: Optional[str] = None, **kwargs):
@@ -601,9 +653,23 @@ class LeanHiveOptimizer(hivemind.Optimizer):
     ``PseudoGradientAverager``, the outer loop of ``--sync_mode local``: the wrapped optimizer is then the outer
     optimizer of the shared parameters)."""
 
-    def __init__(self, *args, policy: AveragingPolicy = AveragingPolicy(), **kwargs):
-        self.policy = policy  # read by _make_state_averager, which hivemind.Optimizer.__init__ calls
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        *args,
+        policy: AveragingPolicy = AveragingPolicy(),
+        download_settings: StateDownloadSettings = StateDownloadSettings(),
+        **kwargs,
+    ):
+        # read by _make_state_averager, which hivemind.Optimizer.__init__ calls
+        self.policy, self.download_settings = policy, download_settings
+        self.missed_round = False
+        """--sync_mode local: the last pseudo-gradient all-reduce failed while other peers were online, so the outer
+        step used this peer's pseudo-gradient alone and its shared parameters left the swarm's; the trainer re-syncs
+        (hivemind's fallback, fine for one step of gradients, would leave a whole round's divergence in place)."""
+        self.state_loads = 0
+        """How many times this peer's state was replaced (downloads applied, checkpoints or backups loaded): the
+        round agreement of --sync_mode local lets a peer whose state was replaced during a round follow, not vote."""
+        super().__init__(*args, load_state_timeout=download_settings.first_chunk_timeout, **kwargs)
         if isinstance(self.grad_averager, PseudoGradientAverager):
             self.grad_averager.shared_parameters = tuple(
                 param for group in self.state_averager.optimizer.param_groups for param in group["params"]
@@ -613,11 +679,6 @@ class LeanHiveOptimizer(hivemind.Optimizer):
     def local_updates(self) -> bool:
         """True in ``--sync_mode local``: the trainer steps its inner optimizer, this one runs the outer loop."""
         return isinstance(self.grad_averager, PseudoGradientAverager)
-
-    missed_round = False
-    """--sync_mode local: the last pseudo-gradient all-reduce failed while other peers were online, so the outer
-    step used this peer's pseudo-gradient alone and its shared parameters left the swarm's; the trainer re-syncs
-    (hivemind's fallback, fine for one step of gradients, would leave a whole round's divergence in place)."""
 
     def _load_local_gradients_into_optimizer(self):
         if self.local_updates and self.tracker.global_progress.num_peers > 1:
@@ -658,24 +719,18 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             auxiliary=self.auxiliary,
             start=True,
             policy=self.policy,
+            download_settings=self.download_settings,
             **kwargs,
         )
-
-    state_loads = 0
-    """How many times this peer's state was replaced (downloads applied, checkpoints or backups loaded): the
-    round agreement of --sync_mode local lets a peer whose state was replaced during a round follow, not vote."""
 
     def load_state_dict(self, state_dict: dict):
         super().load_state_dict(state_dict)
         self.state_averager.parameters_replaced(self.local_epoch)
         self.state_loads += 1
 
-    load_state_attempts = 2
-    """Attempts of one ``load_state_from_peers`` call (each tries up to MAX_STATE_CANDIDATES peers); hivemind
-    retried ``while True``, so a peer that always failed kept this one downloading forever."""
-
     def load_state_from_peers(self, only_from: Optional[FrozenSet[bytes]] = None, **kwargs):
-        """hivemind.Optimizer's, with a bounded number of attempts and the epoch bound of the swarm's consensus;
+        """hivemind.Optimizer's, as one request by ``download_settings`` (hivemind retried ``while True``, so a peer
+        that always failed kept this one downloading forever), with the epoch bound of the swarm's consensus;
         ``only_from``: download only from these peers (IDs as bytes)."""
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)
@@ -686,20 +741,17 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             # a state is labelled with its parameters' epoch: never far beyond the swarm's consensus (the tracker's
             # view may lag a few fast epochs behind a peer that serves its state)
             max_epoch = download_epoch_bound(self.tracker, self.local_epoch)
-            for attempt in range(1, self.load_state_attempts + 1):
-                try:
-                    self.state_averager.load_state_from_peers(
-                        timeout=self.load_state_timeout,
-                        max_epoch=max_epoch,
-                        progress_key=self.tracker.training_progress_key,
-                        only_from=only_from,
-                        **kwargs,
-                    )
-                    break
-                except KeyboardInterrupt:
-                    raise
-                except Exception as e:
-                    logger.warning("Failed to load the state from peers (attempt %d): %r", attempt, e)
+            try:
+                self.state_averager.load_state_from_peers(
+                    max_epoch=max_epoch,
+                    progress_key=self.tracker.training_progress_key,
+                    only_from=only_from,
+                    **kwargs,
+                )
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:
+                logger.warning("Failed to load the state from peers: %r", e)
             if self.state_averager.state_arrived():
                 self.state_loads += 1
                 if isinstance(self.tracker, LeanHiveProgressTracker):

@@ -88,9 +88,9 @@ class LeanHiveProgressTracker(ProgressTracker):
     @property
     def ready_to_update_epoch(self) -> bool:
         # a client-mode peer alone (no serving trainer reports progress) would end epochs nobody can ever join: no
-        # peer can download its state. Measured: a client joiner trained four local-mode rounds before the only
-        # serving trainer started (hivemind publishes a trainer's progress only after its first step); that one
-        # began from the older state, and the two never agreed again
+        # peer can download its state. A client joiner could otherwise train whole local-mode rounds before the only
+        # serving trainer starts (hivemind publishes a trainer's progress only after its first step); that trainer
+        # would begin from the older state, and the two would never agree again
         if self.client_mode and self.consensus_epoch is None:
             return False
         return super().ready_to_update_epoch

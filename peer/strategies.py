@@ -1,0 +1,223 @@
+"""The two ways a trainer's local steps reach the swarm (``--sync_mode``): two objects with one interface,
+``TrainingStrategy``, whose docstring is the contract the trainer loop relies on.
+
+``SyncTraining`` (``--sync_mode sync``): hivemind accumulates the gradients, all-reduces them when the swarm has
+``target_batch_size`` samples, and every peer takes the same 8-bit LAMB step.
+
+``LocalTraining`` (``--sync_mode local``, DiLoCo): this peer steps its own inner LAMB after every local step;
+hivemind only counts the samples, and at the round's end all-reduces the pseudo-gradients and steps the outer
+optimizer on the shared parameters (``peer.swarm.hivemind_seam.PseudoGradientAverager``). Around that it keeps the
+shared parameters in agreement: a peer that missed the round's all-reduce loads the swarm's state, and the round
+agreement's check (``peer.swarm.agreement``) makes a peer whose shared parameters lost the vote download a winner's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import List, Optional, Protocol
+
+import hivemind
+import torch
+from hivemind.utils import get_dht_time
+
+from peer.swarm import events
+from peer.swarm.agreement import RoundAgreement, tolerance_for
+from peer.swarm.config import CollaborationArguments, OptimizerArguments
+from peer.swarm.hivemind_seam import LeanHiveOptimizer
+from peer.swarm.optimizer import make_inner_optimizer, set_inner_learning_rate
+from peer.swarm.watchdog import DHTWatchdog
+
+logger = logging.getLogger(__name__)
+
+ROUND_START_MARGIN = 2.0
+"""--sync_mode local: a local step (and hivemind's matchmaking lead) may start the next round this much earlier than
+the tracker's estimate; the round agreement's check is made before it (``LocalTraining.before_step``)."""
+
+
+class TrainingStrategy(Protocol):
+    """What the trainer loop (``peer.trainer.TrainerPeer.run``) calls; it never asks which mode it runs in.
+
+    For each local step, in this order:
+
+    - ``before_step()``: at the top of every loop iteration, before the step's forward and backward passes (after
+      the loop's own checks: max_epochs, a pause while cut off from the swarm).
+    - then exactly one of ``step(grad_scaler)``: hand the step's accumulated gradients over (finite ones; with
+      fp16's ``hivemind.GradScaler`` every step is handed over and the scaler drops an overflowing one); hivemind
+      may end a global epoch inside this call (all-reduce and optimizer step); or ``discard_step()``: the step's
+      gradients are NaN/inf, drop them (nothing is stepped, no sample counts).
+    - ``end_epoch()``: only when a global epoch ended during ``step``; called after the epoch's metrics were
+      published and before the loop's own after-update work (the NaN/inf check of the parameters with its
+      recovery, and the periodic backup: the same in both modes).
+
+    ``learning_rate()`` may be called at any time: the rate the local steps use now (for the log). A wait of the
+    strategy's own (``LocalTraining.before_step``) ends early on a stop request.
+    """
+
+    def before_step(self) -> None: ...
+    def step(self, grad_scaler: Optional[hivemind.GradScaler] = None) -> None: ...
+    def discard_step(self) -> None: ...
+    def end_epoch(self) -> None: ...
+    def learning_rate(self) -> float: ...
+
+
+class SyncTraining:
+    """``--sync_mode sync``: the swarm averages gradients and takes one optimizer step per global epoch."""
+
+    def __init__(self, optimizer: LeanHiveOptimizer, batch_size_per_step: int):
+        self.optimizer, self.batch_size_per_step = optimizer, batch_size_per_step
+
+    def before_step(self) -> None:
+        pass
+
+    def step(self, grad_scaler: Optional[hivemind.GradScaler] = None) -> None:
+        if grad_scaler is not None:
+            # fp16: the gradients accumulate in .grad; on overflow hivemind's GradScaler drops them and lowers the
+            # scale
+            self.optimizer.step(batch_size=self.batch_size_per_step, grad_scaler=grad_scaler)
+            grad_scaler.update()
+            return
+        self.optimizer.step(batch_size=self.batch_size_per_step)
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def end_epoch(self) -> None:
+        pass
+
+    def learning_rate(self) -> float:
+        return self.optimizer.opt.param_groups[0]["lr"]
+
+
+def outer_momentum(optimizer: LeanHiveOptimizer) -> List[torch.Tensor]:
+    """--sync_mode local: the outer optimizer's momentum buffers (none before its first step, or without momentum),
+    in parameter order."""
+    outer = optimizer.state_averager.optimizer
+    buffers = [outer.state.get(p, {}).get("momentum_buffer") for g in outer.param_groups for p in g["params"]]
+    return [buffer for buffer in buffers if buffer is not None]
+
+
+class LocalTraining:
+    """``--sync_mode local``: this peer's own inner LAMB after every local step, the swarm's outer step per round."""
+
+    def __init__(
+        self,
+        *,
+        optimizer: LeanHiveOptimizer,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        agreement: RoundAgreement,
+        optimizer_args: OptimizerArguments,
+        batch_size_per_step: int,
+        watchdog: Optional[DHTWatchdog],
+        stop_requested: threading.Event,
+    ):
+        self.optimizer, self.model, self.inner_optimizer = optimizer, model, inner_optimizer
+        self.agreement, self.optimizer_args = agreement, optimizer_args
+        self.batch_size_per_step, self.watchdog, self.stop_requested = batch_size_per_step, watchdog, stop_requested
+        self._state_loads_seen = optimizer.state_loads  # a state loaded while joining: the first round follows
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        optimizer: LeanHiveOptimizer,
+        model: torch.nn.Module,
+        dht: hivemind.DHT,
+        run_id: str,
+        public_key: bytes,
+        client_mode: bool,
+        collab: CollaborationArguments,
+        optimizer_args: OptimizerArguments,
+        batch_size_per_step: int,
+        watchdog: Optional[DHTWatchdog],
+        stop_requested: threading.Event,
+    ) -> "LocalTraining":
+        agreement = RoundAgreement(
+            dht,
+            run_id,
+            public_key,
+            optimizer.grad_averager.shared_parameters,
+            outer_state=lambda: outer_momentum(optimizer),
+            votes=not client_mode,  # a client cannot serve its state: it follows the vote
+            tolerance=tolerance_for(collab.compression),
+        )
+        return cls(
+            optimizer=optimizer,
+            model=model,
+            inner_optimizer=make_inner_optimizer(model, optimizer_args),
+            agreement=agreement,
+            optimizer_args=optimizer_args,
+            batch_size_per_step=batch_size_per_step,
+            watchdog=watchdog,
+            stop_requested=stop_requested,
+        )
+
+    def before_step(self) -> None:
+        """The last round's agreement check runs ``SETTLE_SECONDS`` after it (the others' fingerprints must arrive
+        first), and at the latest before the next round's all-reduce, whose pseudo-gradient must start from the
+        agreed state: with rounds of seconds (tests, tiny models) the next round would otherwise begin inside
+        hivemind's step, and every repair would come one round late. With rounds of minutes this never waits."""
+        if not self.agreement.pending():
+            return
+        wait = self.agreement.seconds_until_due()
+        if wait > 0:
+            next_round = self.optimizer.tracker.estimated_next_update_time - get_dht_time()
+            if next_round > wait + ROUND_START_MARGIN:
+                return  # due well before the next round: checked at a later step
+            self.stop_requested.wait(wait)
+        self._follow_agreement()
+
+    def step(self, grad_scaler: Optional[hivemind.GradScaler] = None) -> None:
+        if grad_scaler is not None:
+            raise ValueError("--sync_mode local does not support fp16 yet: use --precision bf16 or fp32")
+        # this peer's own step now; hivemind only counts the samples toward the round
+        set_inner_learning_rate(self.inner_optimizer, self.optimizer.local_epoch, self.optimizer_args)
+        self.inner_optimizer.step()
+        self.discard_step()
+        self.optimizer.step(batch_size=self.batch_size_per_step)
+
+    def discard_step(self) -> None:
+        self.model.zero_grad(set_to_none=False)  # hivemind refuses zero_grad with the averager's reuse_grad_buffers
+
+    def end_epoch(self) -> None:
+        if self.optimizer.missed_round:
+            self._resync_after_missed_round()
+        if self.agreement.pending():  # the previous round's check, when this round was shorter than its wait
+            self._follow_agreement()
+        loads = self.optimizer.state_loads
+        self.agreement.round_ended(self.optimizer.local_epoch, state_replaced=loads != self._state_loads_seen)
+        self._state_loads_seen = loads
+
+    def learning_rate(self) -> float:
+        return self.inner_optimizer.param_groups[0]["lr"]
+
+    def _follow_agreement(self) -> None:
+        """Read the last round's fingerprints; if this peer's shared parameters lost the vote, download the state
+        of a peer that won it (once; peer.swarm.agreement)."""
+        epoch, sources = self.agreement.check()
+        if not sources:
+            return
+        if self.optimizer.load_state_checked(only_from=frozenset(sources)):
+            events.emit(
+                "state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="disagreement", path=None
+            )
+        else:
+            logger.warning("Could not download the state that won the vote of epoch %d: training on", epoch)
+
+    def _resync_after_missed_round(self) -> None:
+        """This peer's pseudo-gradient missed the round's all-reduce; take the shared state of a peer that made it
+        (else train on: the next state averaging round pulls this peer back)."""
+        self.optimizer.missed_round = False
+        if self.watchdog is not None and self.watchdog.isolated:
+            # cut off from every peer: nobody can send a state now; the run loop pauses, then re-syncs on reconnect
+            logger.warning(
+                "Missed the all-reduce before round %d while cut off from every peer", self.optimizer.local_epoch
+            )
+            return
+        logger.warning("Missed the all-reduce before round %d: loading the swarm's state", self.optimizer.local_epoch)
+        if self.optimizer.load_state_checked():
+            events.emit(
+                "state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="missed_round", path=None
+            )
