@@ -231,7 +231,11 @@ def _waiting_since(channel: _Channel) -> float:
 
 
 class _BoundedWSGIServer(TcpWSGIServer):
-    """waitress' TCP server with a request deadline and room made for new connections (see MonitorServer)."""
+    """waitress' TCP server with a request deadline and room made for new connections (see MonitorServer).
+
+    Extends waitress 3 (pinned below 4) through its server and channel attributes: ``maintenance``,
+    ``handle_accept``, ``active_channels``, ``channel_class`` and a channel's ``request``, ``requests``,
+    ``last_activity``, ``total_outbufs_len``, ``will_close``; tests/test_aux_http.py fails if one changes."""
 
     channel_class = _Channel
 
