@@ -151,6 +151,7 @@ def test_phase_observers_see_each_all_reduce_round_in_the_averager_process(tmp_p
     import os
 
     import torch
+    from hivemind.utils import get_dht_time
 
     log = tmp_path / "phases.jsonl"
 
@@ -170,7 +171,7 @@ def test_phase_observers_see_each_all_reduce_round_in_the_averager_process(tmp_p
                     params, dht=dht, prefix="phases", target_group_size=2, reuse_grad_buffers=False, start=True
                 )
             )
-        controls = [averager.schedule_step(hivemind.get_dht_time() + 5) for averager in averagers]
+        controls = [averager.schedule_step(get_dht_time() + 5) for averager in averagers]
         for index, averager in enumerate(averagers):
             averager.parameters[0].grad = torch.full((4,), float(index))
             averager.accumulate_grads_(batch_size=1)
