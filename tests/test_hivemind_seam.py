@@ -145,8 +145,8 @@ def test_phase_observers_time_the_gradient_wait_and_tell_the_averagers_apart(mon
 
 @pytest.mark.timeout(120)
 def test_phase_observers_see_each_all_reduce_round_in_the_averager_process(tmp_path):
-    """Both LeanHive averager kinds report their real rounds, from the averager process they fork (as the swarm
-    benchmark's peer relies on)."""
+    """A real all-reduce round is reported from the averager process each gradient averager forks, to an observer
+    registered before (as the swarm benchmark's peer relies on; the state averager's phase name is checked above)."""
     import json
     import os
 
