@@ -173,14 +173,14 @@ def test_phase_observers_see_each_all_reduce_round_in_the_averager_process(tmp_p
             )
         controls = [averager.schedule_step(get_dht_time() + 5) for averager in averagers]
         for index, averager in enumerate(averagers):
-            averager.parameters[0].grad = torch.full((4,), float(index))
+            averager.parameters[0].grad = torch.full((4,), float(index + 1))  # nonzero: see bound_two_peer_update
             averager.accumulate_grads_(batch_size=1)
         for averager, control in zip(averagers, controls):
             averager.step(control=control, wait=False)
         for control in controls:
             control.result(timeout=60)
         with averagers[0].use_averaged_gradients() as grads:
-            assert torch.allclose(grads[0], torch.full((4,), 0.5))  # the round happened
+            assert torch.allclose(grads[0], torch.full((4,), 1.5))  # the round happened
         for averager in averagers:
             averager.shutdown()
     finally:
