@@ -16,9 +16,10 @@ With ``LEANHIVE_BENCH_PARAMS_DIR`` and ``LEANHIVE_BENCH_PARAMS_EVERY=k`` the pee
 every k-th global epoch (``epoch_<epoch>.pt``, the format of the final parameters), for the benchmark's validation
 curve; in local mode those are the shared parameters the round ended with.
 
-Nothing here changes what the trainer does: the timers wrap methods and return their results untouched (saving
-parameters only adds time to the first peer's epoch ends). The
-averager classes are wrapped before the trainer builds its optimizer, so the forked averager processes inherit it.
+Nothing here changes what the trainer does: the timers wrap public methods and return their results untouched
+(saving parameters only adds time to the first peer's epoch ends). The all-reduce rounds and the wait for the
+gradient all-reduce are timed by the seam's phase observers (``observe_phases``), registered before the trainer
+builds its optimizer, so the forked averager processes inherit them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import peer.cli
 from peer import backup
 from peer.swarm import process_guard
-from peer.swarm.hivemind_seam.averaging import LeanHiveGradientAverager, LeanHiveStateAverager
+from peer.swarm.hivemind_seam import observe_phases
 from peer.swarm.lifecycle import configure_logging, run_peer
 from peer.trainer import EpochStats, TrainerPeer
 
@@ -70,21 +71,6 @@ def timed(kind: str, function: Callable) -> Callable:
     return wrapper
 
 
-def timed_allreduce(kind: str, averager_class: type) -> None:
-    """Time each all-reduce round of ``averager_class`` (it runs in the averager's own process)."""
-    original = averager_class._run_allreduce_inplace_
-
-    @functools.wraps(original)
-    async def wrapper(self, *args, **kwargs):
-        start = time.time()
-        try:
-            return await original(self, *args, **kwargs)
-        finally:
-            record(kind, start, time.time())
-
-    averager_class._run_allreduce_inplace_ = wrapper
-
-
 class TimedTrainerPeer(TrainerPeer):
     @classmethod
     def build(cls, config, control, parts) -> "TimedTrainerPeer":
@@ -92,9 +78,6 @@ class TimedTrainerPeer(TrainerPeer):
         optimizer = self.optimizer
         # instance attributes: hivemind looks these up on the optimizer each time it calls them
         optimizer.step = timed("blocked", optimizer.step)
-        optimizer._average_gradients_and_load_into_optimizer = timed(
-            "grad_wait", optimizer._average_gradients_and_load_into_optimizer
-        )
         optimizer.state_averager.optimizer.step = timed("optimizer_step", optimizer.state_averager.optimizer.step)
         optimizer.load_state_from_peers = timed("state_download", optimizer.load_state_from_peers)
         inner = getattr(self.strategy, "inner_optimizer", None)  # --sync_mode local
@@ -122,8 +105,7 @@ def save_params(model: torch.nn.Module, epoch: int, folder: Path) -> Path:
 
 
 def main() -> int:
-    timed_allreduce("grad_allreduce", LeanHiveGradientAverager)
-    timed_allreduce("state_allreduce", LeanHiveStateAverager)
+    observe_phases(record)  # grad_allreduce, state_allreduce (in the averager processes, forked later) and grad_wait
     config = peer.cli.parse_config(sys.argv[1:])
     configure_logging()
     process_guard.install()  # before any hivemind process exists

@@ -4,6 +4,7 @@ overrides in one seam."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, Set
 
@@ -148,3 +149,70 @@ def test_hivemind_classes_are_subclassed_only_in_the_seam():
                             f"{path.relative_to(REPO_ROOT)}: class {node.name}({text}) subclasses hivemind; "
                             "overrides of hivemind belong in peer/swarm/hivemind_seam/"
                         )
+
+
+def _hivemind_private_names() -> Set[str]:
+    """Single-underscore names hivemind's source defines: functions, methods, and attributes it assigns."""
+    import hivemind
+
+    pattern = re.compile(r"\bdef\s+(_[A-Za-z]\w*)|\bself\.(_[A-Za-z]\w*)\s*[:=]|^\s*(_[A-Za-z]\w*)\s*[:=]", re.M)
+    names = set()
+    for path in Path(hivemind.__file__).parent.rglob("*.py"):
+        for match in pattern.finditer(path.read_text()):
+            names.add(next(group for group in match.groups() if group))
+    return names
+
+
+def _own_private_names(trees) -> Set[str]:
+    """Single-underscore names LeanHive's code (outside the seam) defines itself."""
+    names = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    names.add(node.attr)
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def test_hivemind_private_names_appear_only_in_the_seam():
+    """Production code, the run scripts and benchmarks/ reach hivemind's internals only through
+    peer/swarm/hivemind_seam/ (whose tests pin each one), and the test-bed only through its own fault seam,
+    benchmarks/testbed/hivemind_faults.py (pinned by tests/testbed/test_testbed.py). Flagged outside them: an
+    attribute, a string (getattr, setattr) or an import naming a private hivemind name that LeanHive does not define
+    itself, and any use or override of the seam's inventory (the private names in OVERRIDDEN_METHODS and
+    PRIVATE_ATTRIBUTES). tests/ is not scanned: its seam tests exercise the overrides directly
+    (_parse_swarm_progress_data, _local_public_key, _get_handle_name, _load_local_grads_into_optimizer_)."""
+    from peer.swarm import hivemind_seam
+
+    seam = REPO_ROOT / "peer" / "swarm" / "hivemind_seam"
+    fault_seam = REPO_ROOT / "benchmarks" / "testbed" / "hivemind_faults.py"
+    paths = [path for package in (*PACKAGES, "benchmarks") for path in (REPO_ROOT / package).rglob("*.py")]
+    paths = [path for path in paths + sorted(REPO_ROOT.glob("run_*.py")) if seam not in path.parents]
+    paths = [path for path in paths if path != fault_seam]
+    trees = {path: ast.parse(path.read_text()) for path in paths}
+    inventory = {name for _, name, _ in hivemind_seam.OVERRIDDEN_METHODS} | {
+        name for _, _, name in hivemind_seam.PRIVATE_ATTRIBUTES
+    }
+    inventory = {name for name in inventory if name.startswith("_") and not name.startswith("__")}
+    private = (_hivemind_private_names() - _own_private_names(trees.values())) | inventory
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hivemind"):
+                names = [alias.name for alias in node.names if alias.name.startswith("_")]
+            elif isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value]
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [node.name] if node.name in inventory else []
+            else:
+                continue
+            found += [f"{path.relative_to(REPO_ROOT)}:{node.lineno}: {name}" for name in names if name in private]
+    assert not found, "hivemind private names outside peer/swarm/hivemind_seam/ (add a public seam API):\n" + "\n".join(
+        found
+    )

@@ -21,13 +21,14 @@ import torch
 
 import peer.cli
 from benchmarks.testbed.faults import injection
+from benchmarks.testbed.hivemind_faults import AllReduceFaults
 from peer.swarm import optimizer, process_guard
 from peer.swarm.hivemind_seam import LeanHiveGradientAverager, PseudoGradientAverager
 from peer.swarm.lifecycle import configure_logging, run_peer
 from peer.trainer import TrainerPeer
 
 
-class _FaultHooks:
+class _FaultHooks(AllReduceFaults):
     """What this peer sends for averaging may be scaled or non-finite; it may SIGKILL itself mid all-reduce (the
     first base of both faulty averagers below)."""
 
@@ -36,18 +37,15 @@ class _FaultHooks:
         super().load_accumulators_into_averager_()
         injection.corrupt_sent_gradients(self)
 
-    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+    def before_allreduce(self, tensors, kwargs: dict) -> None:
         injection.maybe_die_in_allreduce_rounds(self)
         if "weight" in kwargs:
             kwargs["weight"] = injection.weight_to_send(kwargs["weight"])
         injection.maybe_send_bad_shapes()
-        sent = injection.snapshot_sent(tensors)
-        try:
-            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
-        except BaseException as e:
-            injection.record_averaging(sent, tensors, error=e)
-            raise
-        injection.record_averaging(sent, tensors)
+        self._sent = injection.snapshot_sent(tensors)
+
+    def after_allreduce(self, tensors, error) -> None:
+        injection.record_averaging(self._sent, tensors, error=error)
 
 
 # hivemind names an averager's RPC handlers after its class ("<prefix>::<class name>.rpc_join_group", ...): with

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -109,3 +110,56 @@ def test_requests_other_than_get_are_refused_cleanly(server):
     req = urllib.request.Request(f"http://127.0.0.1:{server.port}/metrics", method="HEAD")
     with urllib.request.urlopen(req, timeout=2) as response:
         assert response.status == 200 and response.read() == b""
+
+
+@pytest.mark.timeout(30)
+def test_a_client_trickling_its_request_is_closed_at_its_deadline(server):
+    """Sending a byte now and then keeps a connection active, not open: the whole request has READ_TIMEOUT."""
+    sock = _connect(server, b"G")
+    started = time.monotonic()
+    try:
+        for byte in b"ET /metrics HTTP/1.1\r\nHost: x\r\n":
+            time.sleep(0.2)
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+            if time.monotonic() - started > READ_TIMEOUT + 2:
+                break
+        assert _closed_by_server(sock, 2)
+        assert time.monotonic() - started < READ_TIMEOUT + 2
+    finally:
+        sock.close()
+
+
+def test_a_taken_port_is_reported_with_the_fix_and_shutdown_frees_everything():
+    from aux_monitor.state import StateHolder
+
+    threads_before = threading.active_count()
+    holder = StateHolder(sample_state())
+    srv = MonitorServer(MonitorApp(holder.get, refresh_seconds=1), host="127.0.0.1", port=0).start()
+    idle = _connect(srv)
+    with pytest.raises(OSError, match="pick a free port with --metrics_port"):
+        MonitorServer(MonitorApp(holder.get, refresh_seconds=1), host="127.0.0.1", port=srv.port)
+    srv.shutdown()
+    assert _closed_by_server(idle, 2)  # open connections are closed, not left to their timeout
+    idle.close()
+    assert threading.active_count() <= threads_before  # the loop and the workers have ended
+    # the port is free again
+    again = MonitorServer(MonitorApp(holder.get, refresh_seconds=1), host="127.0.0.1", port=srv.port).start()
+    assert _scrape(again)[0] == 200
+    again.shutdown()
+
+
+def test_a_failing_handler_answers_500_and_logs(caplog):
+    def broken_state():
+        raise RuntimeError("boom")
+
+    srv = MonitorServer(MonitorApp(broken_state, refresh_seconds=1), host="127.0.0.1", port=0).start()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as error:
+            _scrape(srv, "/api/state")
+        assert error.value.code == 500 and b"aux peer's log" in error.value.read()
+        assert "The HTTP handler for /api/state failed" in caplog.text
+    finally:
+        srv.shutdown()

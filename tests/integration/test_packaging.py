@@ -140,10 +140,21 @@ def test_wheel_holds_presets_and_spdx_license(installed):
         assert "License-Expression: MIT" in wheel.read(metadata).decode()
     expected = {
         path.relative_to(REPO).as_posix()
-        for pattern in ("configs/model/*.json", "configs/run/*.yaml", "peer/assets/tokenizer/*", "peer/assets/corpus/*")
+        for pattern in (
+            "configs/model/*.json",
+            "configs/run/*.yaml",
+            "peer/assets/tokenizer/*",
+            "peer/assets/corpus/*",
+            "aux_monitor/static/*",
+        )
         for path in REPO.glob(pattern)
     }
-    assert {"configs/__init__.py", "configs/model/tiny.json", "configs/run/tiny.yaml"} <= names
+    assert {
+        "configs/__init__.py",
+        "configs/model/tiny.json",
+        "configs/run/tiny.yaml",
+        "aux_monitor/static/dashboard.html",
+    } <= names
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
 
 
@@ -153,6 +164,7 @@ import json
 import aux_monitor, configs, model, peer
 from model import PRESETS_DIR, available_presets, load_config
 from peer.cli import parse_config
+from aux_monitor.server import dashboard_template
 
 print(load_config("tiny"))
 config = parse_config(["--config", "tiny"])  # loads the run preset, the model preset and the shipped tokenizer
@@ -163,7 +175,7 @@ print(json.dumps({
     "files": {module.__name__: module.__file__ for module in (aux_monitor, configs, model, peer)},
     "model_presets_dir": str(configs.MODEL_PRESETS_DIR), "run_presets_dir": str(configs.RUN_PRESETS_DIR),
     "presets_dir": str(PRESETS_DIR), "available": available_presets(),
-    "tiny": load_config("tiny").to_dict(), "run": run}, default=str))
+    "tiny": load_config("tiny").to_dict(), "run": run, "dashboard": dashboard_template()}, default=str))
 """
     result = run([installed["python"], "-c", script], cwd=installed["outside"], env=installed["env"])
     assert "LeanTransformerConfig" in result.stdout
@@ -185,6 +197,9 @@ print(json.dumps({
     # the installed run preset was applied on top of the dataclass defaults
     for key, value in yaml.safe_load((run_dir / "tiny.yaml").read_text()).items():
         assert found["run"][key] == value, key
+    # the dashboard page is package data, read from the wheel
+    assert found["dashboard"] == (site_packages / "aux_monitor" / "static" / "dashboard.html").read_text()
+    assert "__INITIAL_STATE__" in found["dashboard"]
     # the shipped tokenizer and corpus are installed as package data
     assets = site_packages / "peer" / "assets"
     assert (assets / "tokenizer" / "tokenizer.json").is_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib
 import inspect
 import re
@@ -94,3 +95,100 @@ def test_every_override_is_listed_in_the_seam():
             if overridden and not any(n == name and c in cls.__mro__ for c, n in listed):
                 unlisted.append(f"{cls.__name__}.{name} (over {overridden[0].__qualname__})")
     assert not unlisted, f"overrides missing from OVERRIDDEN_METHODS: {', '.join(sorted(set(unlisted)))}"
+
+
+def test_phase_observers_time_the_gradient_wait_and_tell_the_averagers_apart(monkeypatch):
+    """The public timing hook (``observe_phases``) over the private methods it wraps: the benchmark's timers."""
+    from unittest import mock
+
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    from peer.swarm.hivemind_seam.timing import timed_allreduce
+
+    seen = []
+    stop = hivemind_seam.observe_phases(lambda phase, start, end: seen.append((phase, end - start)))
+    try:
+        # the optimizer's override reports the wait for the gradient all-reduce and returns hivemind's result
+        monkeypatch.setattr(
+            hivemind.Optimizer, "_average_gradients_and_load_into_optimizer", lambda self, control: ("done", control)
+        )
+
+        class Probe(averaging.LeanHiveOptimizer):
+            def __init__(self):  # nothing built: only the override is called
+                pass
+
+            def __del__(self):
+                pass
+
+        assert Probe()._average_gradients_and_load_into_optimizer(None) == ("done", None)
+        assert [phase for phase, _ in seen] == ["grad_wait"]
+
+        async def round_(self, *args):
+            return args
+
+        timed = timed_allreduce(round_)
+        assert asyncio.run(timed(mock.Mock(spec=TrainingStateAverager), 1)) == (1,)
+        assert asyncio.run(timed(mock.Mock(spec=averaging.LeanHiveGradientAverager), 2)) == (2,)
+        assert [phase for phase, _ in seen[1:]] == ["state_allreduce", "grad_allreduce"]
+        assert set(phase for phase, _ in seen) <= set(hivemind_seam.PHASES)
+
+        def broken(phase, start, end):
+            raise RuntimeError("an observer's bug")
+
+        stop_broken = hivemind_seam.observe_phases(broken)  # logged, never fails the phase it observed
+        assert asyncio.run(timed(mock.Mock(spec=TrainingStateAverager), 3)) == (3,)
+        stop_broken()
+    finally:
+        stop()
+    seen.clear()
+    asyncio.run(timed(mock.Mock(spec=TrainingStateAverager), 4))
+    assert not seen  # unregistered
+
+
+@pytest.mark.timeout(120)
+def test_phase_observers_see_each_all_reduce_round_in_the_averager_process(tmp_path):
+    """A real all-reduce round is reported from the averager process each gradient averager forks, to an observer
+    registered before (as the swarm benchmark's peer relies on; the state averager's phase name is checked above)."""
+    import json
+    import os
+
+    import torch
+    from hivemind.utils import get_dht_time
+
+    log = tmp_path / "phases.jsonl"
+
+    def record(phase, start, end):
+        with open(log, "a") as out:
+            out.write(json.dumps({"phase": phase, "seconds": end - start, "pid": os.getpid()}) + "\n")
+
+    stop = hivemind_seam.observe_phases(record)
+    dhts = [hivemind.DHT(start=True)]
+    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
+    try:
+        averagers = []
+        for index, dht in enumerate(dhts):
+            params = [torch.nn.Parameter(torch.zeros(4))]
+            averagers.append(
+                averaging.LeanHiveGradientAverager(
+                    params, dht=dht, prefix="phases", target_group_size=2, reuse_grad_buffers=False, start=True
+                )
+            )
+        controls = [averager.schedule_step(get_dht_time() + 5) for averager in averagers]
+        for index, averager in enumerate(averagers):
+            averager.parameters[0].grad = torch.full((4,), float(index + 1))  # nonzero: see bound_two_peer_update
+            averager.accumulate_grads_(batch_size=1)
+        for averager, control in zip(averagers, controls):
+            averager.step(control=control, wait=False)
+        for control in controls:
+            control.result(timeout=60)
+        with averagers[0].use_averaged_gradients() as grads:
+            assert torch.allclose(grads[0], torch.full((4,), 1.5))  # the round happened
+        for averager in averagers:
+            averager.shutdown()
+    finally:
+        stop()
+        for dht in dhts:
+            dht.shutdown()
+    rounds = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["phase"] for r in rounds] == ["grad_allreduce", "grad_allreduce"]
+    assert all(r["pid"] != os.getpid() and r["seconds"] >= 0 for r in rounds)

@@ -134,3 +134,16 @@ def test_fault_scenarios_have_unique_letters_and_descriptive_names():
     names = [scenario.name for scenario in MATRIX]
     assert len(set(letters)) == len(letters) and len(set(names)) == len(names)
     assert all(len(name) > 3 and name.isidentifier() and name not in letters for name in names)
+
+
+def test_the_fault_seams_private_hivemind_names_still_exist():
+    """The test-bed's fault seam (benchmarks/testbed/hivemind_faults.py) is pinned like the production seam: each
+    private hivemind name it uses still exists in the pinned hivemind, as a function."""
+    import importlib
+    import inspect
+
+    from benchmarks.testbed.hivemind_faults import PINNED
+
+    for module, cls, name in PINNED:
+        attribute = getattr(getattr(importlib.import_module(module), cls), name)
+        assert inspect.isfunction(attribute), f"{module}.{cls}.{name} is no longer a method"

@@ -17,6 +17,8 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from benchmarks.testbed.hivemind_faults import record_bytes_to_sign
+
 
 @dataclass
 class CraftedRecord:
@@ -51,7 +53,7 @@ def signed(record: CraftedRecord, key: RSAPrivateKey) -> CraftedRecord:
     verifies only if the subkey names that key's owner)."""
     validator = RSASignatureValidator(key)
     dht_record = DHTRecord(record.key_bytes, record.subkey_bytes, record.value, record.expiration)
-    signature = key.sign(validator._serialize_record(dht_record))
+    signature = key.sign(record_bytes_to_sign(validator, dht_record))
     return CraftedRecord(record.key, record.subkey, record.value + b"[signature:" + signature + b"]", record.expiration)
 
 

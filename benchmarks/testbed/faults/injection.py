@@ -36,6 +36,8 @@ from typing import FrozenSet
 
 import torch
 
+from benchmarks.testbed import hivemind_faults
+
 logger = logging.getLogger(__name__)
 
 FAULT_ENV_PREFIX = "LEANHIVE_FAULT_"
@@ -115,23 +117,7 @@ def maybe_send_bad_shapes() -> None:
     """Called in the averager process: from now on every part sent to another reducer is a 1-element tensor."""
     if os.environ.get(SEND_BAD_SHAPE_ENV, "") in ("", "0"):
         return
-    from hivemind.averaging.allreduce import AllReduceRunner
-    from hivemind.compression import serialize_torch_tensor
-
-    from peer.swarm.hivemind_seam import BoundedAllReduceRunner
-
-    original = AllReduceRunner._generate_input_for_peer
-    if getattr(BoundedAllReduceRunner, "_bad_shapes", False):
-        return
-
-    async def bad_shapes(self, peer_index):
-        async for message in original(self, peer_index):
-            message.tensor_part.CopyFrom(serialize_torch_tensor(torch.ones(1)))
-            yield message
-
-    BoundedAllReduceRunner._generate_input_for_peer = bad_shapes
-    BoundedAllReduceRunner._bad_shapes = True
-    logger.warning("FAULT INJECTION: sending 1-element parts instead of gradient shards")
+    hivemind_faults.send_bad_shapes()
 
 
 def snapshot_sent(tensors):

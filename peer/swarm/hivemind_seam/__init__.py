@@ -68,11 +68,17 @@ Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
 - ``_make_progress_tracker`` (private factory): builds ``LeanHiveProgressTracker``.
 - ``_load_local_gradients_into_optimizer`` (private): hivemind's fallback when an all-reduce failed; in
   ``--sync_mode local`` it also flags ``missed_round`` so the trainer downloads the swarm's shared state.
+- ``_average_gradients_and_load_into_optimizer`` (private): hivemind's, timed as the ``grad_wait`` phase.
 - ``load_state_from_peers``: hivemind's as one request of the state averager (hivemind retried ``while True``), the
   epoch bound (``download_epoch_bound``) passed to the state averager, a refutation of epoch claims the downloaded
   state does not reach (``LeanHiveProgressTracker.refute_claims_above``), and without the gradient averager's
   download (hivemind downloaded that state and discarded it). Uses the private ``scheduled_grads`` /
   ``_tag_along_with_zero_weight``.
+
+Phase observers (``timing``)
+- ``observe_phases``: the public way to time hivemind's phases (the swarm benchmark's all-reduce and gradient-wait
+  timers): the averagers' ``_run_allreduce_inplace_`` (``grad_allreduce`` / ``state_allreduce``) and the
+  optimizer's ``_average_gradients_and_load_into_optimizer`` (``grad_wait``) report to it.
 
 Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
 - ``__init__``: sets its own state (consensus, claims, refutations) before hivemind's, which starts the thread.
@@ -131,11 +137,13 @@ from peer.swarm.hivemind_seam.dht import (
     routing_table_peers,
 )
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
+from peer.swarm.hivemind_seam.timing import PHASES, observe_phases
 
 __all__ = [
     "MAX_CLOCK_SKEW",
     "MAX_RECORD_BYTES",
     "OVERRIDDEN_METHODS",
+    "PHASES",
     "PINNED_HIVEMIND_VERSION",
     "PRIVATE_ATTRIBUTES",
     "AllowlistAuthorizer",
@@ -153,6 +161,7 @@ __all__ = [
     "SwarmKeyValidator",
     "authorized_peer_ids",
     "download_epoch_bound",
+    "observe_phases",
     "ping_peers",
     "private_key_from_der",
     "read_consensus_epoch",
@@ -235,6 +244,11 @@ OVERRIDDEN_METHODS = [
     (hivemind.Optimizer, "load_state_dict", "(self, state_dict: 'dict')"),
     (hivemind.Optimizer, "_load_local_gradients_into_optimizer", "(self)"),
     (hivemind.Optimizer, "load_state_from_peers", "(self, **kwargs)"),
+    (
+        hivemind.Optimizer,
+        "_average_gradients_and_load_into_optimizer",
+        "(self, maybe_step_control: 'Optional[StepControl]')",
+    ),
     (hivemind.Optimizer, "__del__", "(self)"),
 ]
 # private (or internal) hivemind attributes used here: (module, class name, attribute), checked by the same test

@@ -29,6 +29,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
+from peer.swarm.hivemind_seam.timing import timed_allreduce, timed_phase
 from peer.swarm.keys import outer_averager_prefix, state_averager_prefix
 from peer.swarm.robust import (
     DEFAULT_CLIP_FACTOR,
@@ -163,6 +164,7 @@ class _PolicyAveraging:
             wrapper = _AllowlistServicer(self, allowed)
         return await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
 
+    @timed_allreduce
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info, group_id: Optional[bytes] = None, **kwargs
     ):
@@ -690,6 +692,10 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             super().__del__()
         except AttributeError:
             pass
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+        with timed_phase("grad_wait"):  # for the phase observers (timing.py)
+            return super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         tracker = LeanHiveProgressTracker(
