@@ -48,6 +48,7 @@ from peer.swarm.lifecycle import PeerControl
 from peer.swarm.network import NetworkArguments, connect
 from peer.swarm.optimizer import build_optimizer
 from peer.swarm.records import LocalMetrics, publish_metrics
+from peer.swarm.round_health import HealthLine, RoundHealthCounter
 from peer.swarm.tensors import all_finite
 from peer.swarm.watchdog import DHTWatchdog
 
@@ -156,6 +157,7 @@ class TrainerPeer:
         grad_scaler: Optional[hivemind.GradScaler] = None,
         block_scaler: Optional[PerBlockGradScaler] = None,
         counters: Optional[LoopCounters] = None,
+        health: Optional[RoundHealthCounter] = None,
     ):
         self.config, self.control = config, control
         self.dht, self.public_key, self.watchdog = dht, public_key, watchdog  # watchdog: None with --rejoin_period 0
@@ -164,6 +166,9 @@ class TrainerPeer:
         self.grad_scaler = grad_scaler  # fp16 with one loss scale (hivemind's)
         self.block_scaler = block_scaler  # fp16 with --per_block_grad_scaling
         self.counters = counters if counters is not None else LoopCounters()
+        # what hivemind's averaging reports goes in only when build attached it; a test's peer counts its loop alone
+        self.health = health if health is not None else RoundHealthCounter(sync_mode=config.collaboration.sync_mode)
+        self.health_line = HealthLine()
         self.batch_size_per_step = batch_size_per_step(config.training)
         self._backup_failed = False
 
@@ -193,6 +198,9 @@ class TrainerPeer:
         # min_peers starts when it sees that declaration; declared before the tokenizer was ready, this peer would
         # let the other end its first epochs alone
         batches = _build_batches(config, model, swarm.dht, epoch=lambda: optimizer.local_epoch)
+        # before the optimizer: its averager processes, forked while it is built, report into the same counter
+        health = RoundHealthCounter(sync_mode=collab.sync_mode, reachability="client" if net.client_mode else "public")
+        parts.callback(health.attach())
         grad_scaler, block_scaler = None, None
         if placement.uses_grad_scaler and train.per_block_grad_scaling:
             # unscales every block itself, so hivemind gets unscaled gradients as with fp32
@@ -244,6 +252,7 @@ class TrainerPeer:
             grad_scaler=grad_scaler,
             block_scaler=block_scaler,
             counters=counters,
+            health=health,
         )
         peer._join()
         return peer
@@ -296,7 +305,9 @@ class TrainerPeer:
         """One local step: accumulate micro-batches, then hand the gradients to the strategy."""
         train, counters = self.config.training, self.counters
         counters.local_step += 1
+        started = time.perf_counter()
         loss_sum = self._accumulate_gradients()
+        self.health.add_time("compute", time.perf_counter() - started)
         blocks_ok = self._unscale_blocks(loss_sum)
         finite = (
             blocks_ok
@@ -304,7 +315,7 @@ class TrainerPeer:
             and all_finite(p.grad for p in self.model.parameters() if p.grad is not None)
         )
         if self.grad_scaler is not None:
-            self.strategy.step(self.grad_scaler)  # fp16: always handed over; the scaler drops an overflow
+            self._timed_step(self.grad_scaler)  # fp16: always handed over; the scaler drops an overflow
             if not finite:
                 self._count_skipped(stats)
                 return
@@ -313,7 +324,7 @@ class TrainerPeer:
             self._count_skipped(stats)
             return
         else:
-            self.strategy.step()
+            self._timed_step()
 
         stats.loss_sum += loss_sum
         stats.mini_steps += train.gradient_accumulation_steps
@@ -322,6 +333,13 @@ class TrainerPeer:
         counters.samples_total += self.batch_size_per_step
         if counters.local_step % train.log_every_steps == 0:
             self._log_progress(loss_sum / train.gradient_accumulation_steps, stats)
+
+    def _timed_step(self, *args) -> None:
+        """The strategy's step; its time not spent waiting for an averaging round is the optimizer's."""
+        started, waited = time.perf_counter(), self.health.seconds("wait")
+        self.strategy.step(*args)
+        waited = self.health.seconds("wait") - waited
+        self.health.add_time("optimizer", max(0.0, time.perf_counter() - started - waited))
 
     def _accumulate_gradients(self) -> float:
         """Forward and backward over this local step's micro-batches; returns the summed loss."""
@@ -426,7 +444,11 @@ class TrainerPeer:
             mini_steps=stats.mini_steps,
             samples_total=self.counters.samples_total,
             time=float(get_dht_time()),
+            health=self.health.snapshot(),
         )
+        every = self.config.training.log_health_every_epochs
+        if every and stats.epoch % every == 0:
+            logger.info("%s", self.health_line.format(metrics.health))
         publish_metrics(
             self.dht,
             self.config.network.run_id,

@@ -166,26 +166,31 @@ def chromium(url: str, user_data_dir: Path, *extra: str, timeout: float = 60.0) 
     return result.stdout
 
 
-def dump_dom(url: str, user_data_dir: Path) -> str:
-    """The page's DOM after its scripts ran (virtual time lets fetches and timers settle)."""
-    return chromium(url, user_data_dir, "--virtual-time-budget=3000", "--dump-dom")
+def dump_dom(url: str, user_data_dir: Path, window_size: str = "1280,1100") -> str:
+    """The page's DOM after its scripts ran (virtual time lets fetches and timers settle), laid out in a window of
+    ``window_size`` (width,height) pixels."""
+    return chromium(url, user_data_dir, "--virtual-time-budget=3000", f"--window-size={window_size}", "--dump-dom")
 
 
-def screenshot(url: str, user_data_dir: Path, path: Path) -> Path:
+def screenshot(url: str, user_data_dir: Path, path: Path, window_size: str = "1280,1100") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    chromium(url, user_data_dir, "--virtual-time-budget=3000", "--window-size=1280,1100", f"--screenshot={path}")
+    chromium(url, user_data_dir, "--virtual-time-budget=3000", f"--window-size={window_size}", f"--screenshot={path}")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "chromium did not write a PNG"
     return path
 
 
 class DashboardDom(HTMLParser):
-    """Elements by id (attributes + text), leaderboard rows, and the point count of each chart."""
+    """Elements by id (attributes + text), leaderboard rows, trainers' health rows, and the point count of each
+    chart."""
 
     def __init__(self, dom: str):
         super().__init__()
         self.by_id: Dict[str, dict] = {}
-        self.rows: List[dict] = []
+        self.rows: List[dict] = []  # the contributor leaderboard's
+        self.health_rows: List[dict] = []  # the trainers' health table's
+        self.tables: List[dict] = []
         self.body: dict = {}
+        self._table: Optional[str] = None
         self._open: List[Optional[dict]] = []
         self.feed(dom)
 
@@ -196,8 +201,11 @@ class DashboardDom(HTMLParser):
             self.body = node
         if "id" in attrs:
             self.by_id[attrs["id"]] = node
+        if tag == "table":
+            self._table = attrs.get("id")
+            self.tables.append(node)
         if tag == "tr" and "data-peer" in attrs:
-            self.rows.append(node)
+            (self.health_rows if self._table == "peer-health" else self.rows).append(node)
         if tag not in ("br", "meta", "link", "img", "input", "line", "polyline", "circle"):
             self._open.append(node)
 

@@ -39,6 +39,7 @@ class _FaultHooks(AllReduceFaults):
 
     def before_allreduce(self, tensors, kwargs: dict) -> None:
         injection.maybe_die_in_allreduce_rounds(self)
+        injection.maybe_fail_allreduce()
         if "weight" in kwargs:
             kwargs["weight"] = injection.weight_to_send(kwargs["weight"])
         injection.maybe_send_bad_shapes()

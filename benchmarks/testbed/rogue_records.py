@@ -10,6 +10,10 @@ records properly so that the signature and schema validators accept them):
 - metrics records claiming ``epoch=10**12``, and one at the current epoch whose ``time`` is a week ahead;
 - plain values with an expiration years ahead under the state-sharing and matchmaking keys (key squatting).
 
+With ``--health`` it writes, instead, metrics records at the swarm's epoch whose round health is hostile: under
+one key, totals that grow by ten million rounds and a petabyte each round (within the schema's bounds for a while,
+never within what the elapsed time allows); under another, totals past the schema's bounds.
+
 Records go straight to every peer in its routing table (``raw_store``) as well as through its own DHT.
 """
 
@@ -65,7 +69,30 @@ def metrics_value(epoch: int, when: float) -> dict:
     ).dict()
 
 
-def one_round(dht: hivemind.DHT, run_id: str, keys: list, squat: bool) -> int:
+def health_value(epoch: int, when: float, round_index: int, out_of_bounds: bool) -> dict:
+    grown = 10**7 * (round_index + 1)
+    health = dict(
+        rounds_joined=grown,
+        rounds_ok=grown,
+        failed_no_group=0,
+        failed_timeout=0,
+        failed_partial=0,
+        last_group_size=2,
+        compute_seconds=float(grown),
+        wait_seconds=0.0,
+        matchmaking_seconds=0.0,
+        allreduce_seconds=0.0,
+        optimizer_seconds=0.0,
+        bytes_sent=10**18 if out_of_bounds else 10**15 * (round_index + 1),
+        bytes_received=0,
+        reachability="public",
+        sync_mode="sync",
+        version="0.1.0",
+    )
+    return {**metrics_value(epoch, when), "samples_total": 64 * (round_index + 1), "health": health}
+
+
+def one_round(dht: hivemind.DHT, run_id: str, keys: list, squat: bool, health_round=None) -> int:
     now = get_dht_time()
     epoch = honest_epoch(dht, run_id)
     progress = [
@@ -78,6 +105,12 @@ def one_round(dht: hivemind.DHT, run_id: str, keys: list, squat: bool) -> int:
         (keys[0], metrics_value(HUGE_EPOCH, now), now + 300),
         (keys[1], metrics_value(max(epoch - 1, 0), now + WEEK), now + 300),
     ]
+    if health_round is not None:
+        progress = []
+        metrics = [
+            (keys[0], health_value(epoch, now, health_round, out_of_bounds=False), now + 300),
+            (keys[1], health_value(epoch, now, health_round, out_of_bounds=True), now + 300),
+        ]
     # the signature covers the expiration: craft each record with its own lifetime, then sign it
     records = [signed(craft(progress_key(run_id), owner_marker(k), v, ttl=e - now), k) for k, v, e in progress]
     records += [signed(craft(metrics_key(run_id), owner_marker(k), v, ttl=e - now), k) for k, v, e in metrics]
@@ -106,6 +139,7 @@ def main() -> None:
     parser.add_argument("--run_id", required=True)
     parser.add_argument("--period", type=float, default=2.0)
     parser.add_argument("--no_squat", action="store_true", help="only write hostile signed records")
+    parser.add_argument("--health", action="store_true", help="write metrics records with hostile round health only")
     parser.add_argument("--events_file", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rogue %(message)s")
@@ -116,9 +150,16 @@ def main() -> None:
         start=True, initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators
     )
     keys = [RSAPrivateKey() for _ in range(4)]
-    first = True
+    first, rounds = True, 0
     while True:
-        accepted = one_round(dht, args.run_id, keys, squat=not args.no_squat)
+        accepted = one_round(
+            dht,
+            args.run_id,
+            keys,
+            squat=not (args.no_squat or args.health),
+            health_round=rounds if args.health else None,
+        )
+        rounds += 1
         logger.info("round done: %d records accepted by honest peers", accepted)
         if first:
             events.emit("rogue_ready", accepted=accepted)

@@ -226,11 +226,15 @@ class TrainingArguments:
     """Write a local backup (parameters + optimizer state) every this many global epochs; 0 disables."""
     log_every_steps: int = 1
     """Log a progress line every this many local steps."""
+    log_health_every_epochs: int = 10
+    """Log a swarm health line (averaging rounds ok/failed, compute share, MB sent/received) every this many global
+    epochs; 0 turns it off. The aux peer's dashboard shows the same numbers for every trainer."""
     torch_threads: Optional[int] = None
     """CPU threads torch may use (None: torch's default, which honours OMP_NUM_THREADS)."""
 
     def __post_init__(self):
         integer_at_least(self, 1, "per_device_batch_size", "gradient_accumulation_steps", "log_every_steps")
+        integer_at_least(self, 0, "log_health_every_epochs")
         require(
             self.max_epochs is None or (isinstance(self.max_epochs, int) and self.max_epochs >= 1),
             f"max_epochs must be an integer >= 1 (or None to train until interrupted), got {self.max_epochs!r}",

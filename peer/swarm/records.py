@@ -83,7 +83,7 @@ class RoundHealth(pydantic.BaseModel):
     rounds_ok: pydantic.conint(ge=0, le=MAX_ROUNDS, strict=True)
     failed_no_group: pydantic.conint(ge=0, le=MAX_ROUNDS, strict=True)  # matchmaking found nobody in time
     failed_timeout: pydantic.conint(ge=0, le=MAX_ROUNDS, strict=True)  # the all-reduce did not finish in time
-    failed_partial: pydantic.conint(ge=0, le=MAX_ROUNDS, strict=True)  # some peers' parts never arrived
+    failed_partial: pydantic.conint(ge=0, le=MAX_ROUNDS, strict=True)  # broke off after the group formed
     last_group_size: pydantic.conint(ge=0, le=MAX_GROUP_SIZE, strict=True)  # peers in its last group (0: none)
     compute_seconds: pydantic.confloat(ge=0.0, le=MAX_SECONDS, strict=True)  # forward and backward passes
     wait_seconds: pydantic.confloat(ge=0.0, le=MAX_SECONDS, strict=True)  # training blocked on the swarm

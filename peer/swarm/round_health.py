@@ -2,7 +2,7 @@
 
 The counters are totals since the peer started (a missed report loses nothing; readers take differences). They
 live in shared memory, created before hivemind forks its averager processes, so that what the averagers measure
-(all-reduce times, partial rounds) and what the training loop measures (compute, blocked wait, the optimizer's
+(all-reduce times, bytes) and what the training loop measures (compute, blocked wait, the optimizer's
 update, round outcomes) add up in one place. ``snapshot`` turns them into the ``RoundHealth`` that goes into the
 peer's signed metrics record, and ``HealthLine`` into the short line a volunteer sees in the log.
 """
@@ -12,14 +12,20 @@ from __future__ import annotations
 import importlib.metadata
 import multiprocessing
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
+from peer.swarm.hivemind_seam import observe_phases, observe_rounds, observe_traffic
 from peer.swarm.records import REACHABILITY, SYNC_MODES, RoundHealth
 
 OUTCOMES = ("ok", "no_group", "timeout", "partial")
 PHASES = ("compute", "wait", "matchmaking", "allreduce", "optimizer")
 # slots of the shared array: doubles hold every integer count exactly up to 2**53
-_SLOTS = {name: index for index, name in enumerate(("joined", *OUTCOMES, *PHASES, "sent", "received", "group"))}
+_SLOTS = {
+    name: index
+    for index, name in enumerate(
+        ("joined", *OUTCOMES, *PHASES, "sent", "received", "group", "grad_allreduce", "grad_mark")
+    )
+}
 
 
 def leanhive_version() -> str:
@@ -55,12 +61,45 @@ class RoundHealthCounter:
         self._add("joined", 1)
 
     def round_ended(self, outcome: str, group_size: int = 0) -> None:
-        """``outcome``: ok, no_group (matchmaking found nobody), timeout or partial (some parts never arrived)."""
+        """``outcome``: ok, no_group (matchmaking found nobody), timeout or partial (broke off after the group
+        formed, before this peer had every part)."""
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
         with self._values.get_lock():
             self._values[_SLOTS[outcome]] += 1
             self._values[_SLOTS["group"]] = max(0, int(group_size))
+
+    def seconds(self, phase: str) -> float:
+        return self._values[_SLOTS[phase]]
+
+    def attach(self) -> Callable[[], None]:
+        """Count what hivemind's averaging reports (``observe_phases`` / ``observe_rounds``): call before building
+        the optimizer, so that its averager processes report too. Returns the function that detaches it."""
+        detach = [observe_phases(self._on_phase), observe_rounds(self._on_round), observe_traffic(self._on_traffic)]
+        return lambda: [undo() for undo in detach] and None
+
+    def _on_phase(self, phase: str, start: float, end: float) -> None:
+        seconds = max(0.0, end - start)
+        with self._values.get_lock():
+            values = self._values
+            if phase in ("grad_allreduce", "state_allreduce"):
+                values[_SLOTS["allreduce"]] += seconds
+                if phase == "grad_allreduce":
+                    values[_SLOTS["grad_allreduce"]] += seconds
+            elif phase == "grad_wait":
+                # the training loop blocked on the round; what its all-reduce did not take went to matchmaking
+                allreduce = values[_SLOTS["grad_allreduce"]] - values[_SLOTS["grad_mark"]]
+                values[_SLOTS["grad_mark"]] = values[_SLOTS["grad_allreduce"]]
+                values[_SLOTS["wait"]] += seconds
+                values[_SLOTS["matchmaking"]] += max(0.0, seconds - allreduce)
+
+    def _on_traffic(self, sent: int, received: int) -> None:
+        self.add_bytes(sent=sent, received=received)
+
+    def _on_round(self, event: str, group_size: int) -> None:
+        # a round that broke off after its group formed ended before this peer had every part: "partial"
+        self.round_joined()
+        self.round_ended("partial" if event == "failed" else event, group_size)
 
     def add_time(self, phase: str, seconds: float) -> None:
         if phase not in PHASES:

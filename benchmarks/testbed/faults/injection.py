@@ -49,6 +49,7 @@ DIE_IN_ALLREDUCE_ENV = "LEANHIVE_FAULT_DIE_IN_ALLREDUCE"
 SEND_WEIGHT_ENV = "LEANHIVE_FAULT_SEND_WEIGHT"
 SEND_BAD_SHAPE_ENV = "LEANHIVE_FAULT_SEND_BAD_SHAPE"
 RECORD_AVERAGING_ENV = "LEANHIVE_FAULT_RECORD_AVERAGING"
+FAIL_ALLREDUCE_ENV = "LEANHIVE_FAULT_FAIL_ALLREDUCE"
 PARAMS_DIR_ENV = "LEANHIVE_TEST_PARAMS_DIR"
 
 
@@ -111,6 +112,13 @@ def weight_to_send(weight):
         return weight
     logger.warning("FAULT INJECTION: claiming sample weight %s instead of %s", claimed, weight)
     return float(claimed)
+
+
+def maybe_fail_allreduce() -> None:
+    """Called in the averager process before each all-reduce round (``LEANHIVE_FAULT_FAIL_ALLREDUCE``): the round
+    breaks off on this peer's side, every time (its rounds fail; the others finish theirs without it)."""
+    if os.environ.get(FAIL_ALLREDUCE_ENV, "") not in ("", "0"):
+        raise RuntimeError("FAULT INJECTION: this peer's all-reduce fails")
 
 
 def maybe_send_bad_shapes() -> None:

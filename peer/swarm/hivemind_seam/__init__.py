@@ -68,7 +68,8 @@ Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
 - ``_make_progress_tracker`` (private factory): builds ``LeanHiveProgressTracker``.
 - ``_load_local_gradients_into_optimizer`` (private): hivemind's fallback when an all-reduce failed; in
   ``--sync_mode local`` it also flags ``missed_round`` so the trainer downloads the swarm's shared state.
-- ``_average_gradients_and_load_into_optimizer`` (private): hivemind's, timed as the ``grad_wait`` phase.
+- ``_average_gradients_and_load_into_optimizer`` (private): hivemind's, timed as the ``grad_wait`` phase, and the
+  round's outcome (``timing.round_outcome``) reported to the round observers.
 - ``load_state_from_peers``: hivemind's as one request of the state averager (hivemind retried ``while True``), the
   epoch bound (``download_epoch_bound``) passed to the state averager, a refutation of epoch claims the downloaded
   state does not reach (``LeanHiveProgressTracker.refute_claims_above``), and without the gradient averager's
@@ -79,6 +80,12 @@ Phase observers (``timing``)
 - ``observe_phases``: the public way to time hivemind's phases (the swarm benchmark's all-reduce and gradient-wait
   timers): the averagers' ``_run_allreduce_inplace_`` (``grad_allreduce`` / ``state_allreduce``) and the
   optimizer's ``_average_gradients_and_load_into_optimizer`` (``grad_wait``) report to it.
+- ``observe_rounds``: how each gradient averaging round ended (ok, no group, timeout, failed), for the trainers'
+  round health.
+
+Traffic observers (``traffic``)
+- ``observe_traffic``: wraps ``P2P.send_raw_data`` / ``P2P.receive_raw_data`` (static methods every hivemind stream
+  and RPC writes and reads through) to count the payload bytes of each message, for the trainers' round health.
 
 Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
 - ``__init__``: sets its own state (consensus, claims, refutations) before hivemind's, which starts the thread.
@@ -110,6 +117,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import P2P
 from hivemind.utils.auth import TokenAuthorizerBase
 
 from peer.swarm.hivemind_seam.averaging import (
@@ -137,13 +145,15 @@ from peer.swarm.hivemind_seam.dht import (
     routing_table_peers,
 )
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
-from peer.swarm.hivemind_seam.timing import PHASES, observe_phases
+from peer.swarm.hivemind_seam.timing import PHASES, ROUND_EVENTS, observe_phases, observe_rounds
+from peer.swarm.hivemind_seam.traffic import observe_traffic
 
 __all__ = [
     "MAX_CLOCK_SKEW",
     "MAX_RECORD_BYTES",
     "OVERRIDDEN_METHODS",
     "PHASES",
+    "ROUND_EVENTS",
     "PINNED_HIVEMIND_VERSION",
     "PRIVATE_ATTRIBUTES",
     "AllowlistAuthorizer",
@@ -162,6 +172,8 @@ __all__ = [
     "authorized_peer_ids",
     "download_epoch_bound",
     "observe_phases",
+    "observe_rounds",
+    "observe_traffic",
     "ping_peers",
     "private_key_from_der",
     "read_consensus_epoch",
@@ -174,6 +186,8 @@ PINNED_HIVEMIND_VERSION = "1.1.12"
 # (hivemind class, method name, its signature in the pinned version): checked by tests/test_hivemind_seam.py
 _DA = hivemind.averaging.DecentralizedAverager
 OVERRIDDEN_METHODS = [
+    (P2P, "send_raw_data", "(data: bytes, writer: asyncio.streams.StreamWriter, *, chunk_size: int = 65536) -> None"),
+    (P2P, "receive_raw_data", "(reader: asyncio.streams.StreamReader) -> bytes"),
     (RecordValidatorBase, "validate", "(self, record: hivemind.dht.validation.DHTRecord) -> bool"),
     (RecordValidatorBase, "merge_with", "(self, other: 'RecordValidatorBase') -> bool"),
     (RecordValidatorBase, "priority", "property"),

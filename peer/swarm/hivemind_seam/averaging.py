@@ -29,7 +29,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
-from peer.swarm.hivemind_seam.timing import timed_allreduce, timed_phase
+from peer.swarm.hivemind_seam.timing import report_round, round_outcome, timed_allreduce, timed_phase
 from peer.swarm.keys import outer_averager_prefix, state_averager_prefix
 from peer.swarm.robust import (
     DEFAULT_CLIP_FACTOR,
@@ -695,7 +695,10 @@ class LeanHiveOptimizer(hivemind.Optimizer):
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         with timed_phase("grad_wait"):  # for the phase observers (timing.py)
-            return super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+            result = super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        if maybe_step_control is not None:  # None: hivemind saw no other peer to average with
+            report_round(*round_outcome(maybe_step_control))
+        return result
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         tracker = LeanHiveProgressTracker(
