@@ -30,7 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER_TESTS = ROOT / "tests" / "integration" / "test_docker.py"
-BLOCK_RE = re.compile(r"<!-- readme-test: (?P<meta>.*?) -->\n```bash\n(?P<body>.*?)```", re.S)
+BLOCK_RE = re.compile(r"<!-- readme-test: (?P<meta>[^\n]*?) -->\n```bash\n(?P<body>.*?)```", re.S)  # meta: one line
 PYTHON_BLOCK_RE = re.compile(r"<!-- readme-test: python -->\n```python\n(?P<body>.*?)```", re.S)
 # the README exports the demo's checkpoints (outputs/demo/, the demo's default --workdir, which IN_TMP moves)
 DEMO_OUTPUTS = "outputs/demo/"
