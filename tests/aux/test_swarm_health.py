@@ -56,31 +56,24 @@ def test_a_trainer_whose_averaging_fails_shows_on_metrics_and_the_dashboard(tmp_
         procs += [start_trainer(tmp_path, f"healthy{i}", RUN_ID, initial_peers=addrs) for i in (1, 2)]
         procs.append(start_trainer(tmp_path, "failing", RUN_ID, initial_peers=addrs, env=FAULT))
         aux.events.wait("serving", timeout=120)
-        rogue = start_rogue(tmp_path, addrs, "--health", "--period", "3")
-        procs.append(rogue)
 
         def settled():
             rounds = _peer_rounds(scrape(url + "/metrics"))
-            failing = [p for p, r in rounds.items() if r.get("partial", 0) >= 3 and r.get("ok", 0) == 0]
+            # its round breaks off on its side; hivemind then retries matchmaking until the round's deadline, so
+            # the failure shows as no group or a timeout
+            failing = [p for p, r in rounds.items() if sum(r.values()) - r.get("ok", 0) >= 3 and r.get("ok", 0) == 0]
             healthy = [p for p, r in rounds.items() if r.get("ok", 0) >= 3]
             return len(failing) == 1 and len(healthy) == 2 and (failing, healthy)
 
         failing, healthy = wait_for(settled, timeout=300, interval=2, what="3 trainers' rounds on /metrics")
         [failing] = failing
         metrics = scrape(url + "/metrics")
-        # the rogue's claims count for nothing: a first record sets a baseline, what it claims after is refused
-        rogue.events.wait("rogue_ready", timeout=60)
-        wait_for(lambda: "Ignoring the round health" in aux.log_path.read_text(), timeout=60, what="the refusal")
-        metrics = scrape(url + "/metrics")
-        rounds = _peer_rounds(metrics)
-        assert all(sum(r.values()) < 10**4 for r in rounds.values()), rounds
-        assert metrics[("leanhive_rounds_total", (("outcome", "ok"),))] < 10**4
-        assert metrics[("leanhive_bytes_sent_total", ())] < 10**12
         marks = {
             peer: dict(key)["mark"] for peer, by in _per_peer(metrics, "leanhive_peer_marked").items() for key in by
         }
         assert marks.get(failing) == "failing" and all(marks.get(p) != "failing" for p in healthy), marks
-        assert metrics[("leanhive_rounds_total", (("outcome", "partial"),))] >= 3
+        failed = sum(metrics[("leanhive_rounds_total", (("outcome", o),))] for o in ("no_group", "timeout", "partial"))
+        assert failed >= 3
         assert metrics[("leanhive_rounds_total", (("outcome", "ok"),))] >= 6
         assert 0 < metrics[("leanhive_round_success_ratio", ())] < 1
         assert 0 < metrics[("leanhive_compute_share", ())] <= 1
@@ -93,7 +86,7 @@ def test_a_trainer_whose_averaging_fails_shows_on_metrics_and_the_dashboard(tmp_
         # the dashboard marks the same trainer; at a laptop's width every card shows its whole table
         dom = DashboardDom(dump_dom(url + "/", tmp_path / "chromium", window_size="1400,900"))
         rows = {row["data-peer"]: row for row in dom.health_rows}
-        assert {failing, *healthy} <= set(rows)  # and the rogue, whose claims counted for nothing
+        assert set(rows) == {failing, *healthy}
         assert rows[failing]["data-mark"] == "failing" and int(rows[failing]["data-rounds-failed"]) >= 3
         assert all(rows[p]["data-mark"] != "failing" and int(rows[p]["data-rounds-ok"]) >= 3 for p in healthy)
         assert float(dom.value("round-success")) < 1
@@ -101,3 +94,14 @@ def test_a_trainer_whose_averaging_fails_shows_on_metrics_and_the_dashboard(tmp_
         state = api_state(url)
         assert state["swarm"]["health"]["rounds_ok"] >= 6
         screenshot(url + "/", tmp_path / "chromium-shot", ARTIFACTS / "dashboard_health.png", window_size="1400,1500")
+
+        # the rogue's claims count for nothing: a first record sets a baseline, what it claims after is refused
+        rogue = start_rogue(tmp_path, addrs, "--health", "--period", "3")
+        procs.append(rogue)
+        rogue.events.wait("rogue_ready", timeout=60)
+        wait_for(lambda: "Ignoring the round health" in aux.log_path.read_text(), timeout=60, what="the refusal")
+        metrics = scrape(url + "/metrics")
+        rounds = _peer_rounds(metrics)
+        assert all(sum(r.values()) < 10**4 for r in rounds.values()), rounds
+        assert metrics[("leanhive_rounds_total", (("outcome", "ok"),))] < 10**4
+        assert metrics[("leanhive_bytes_sent_total", ())] < 10**12
