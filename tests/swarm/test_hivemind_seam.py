@@ -192,3 +192,26 @@ def test_phase_observers_see_each_all_reduce_round_in_the_averager_process(tmp_p
     rounds = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["phase"] for r in rounds] == ["grad_allreduce", "grad_allreduce"]
     assert all(r["pid"] != os.getpid() and r["seconds"] >= 0 for r in rounds)
+
+
+def test_round_outcome_says_how_a_round_ended():
+    """What the round observers hear, from the future hivemind's optimizer waited on."""
+    from concurrent.futures import Future
+
+    from hivemind.averaging.allreduce import AllreduceException
+
+    from peer.swarm.hivemind_seam.timing import round_outcome
+
+    def ended(result=None, error=None) -> Future:
+        future = Future()
+        future.set_exception(error) if error is not None else future.set_result(result)
+        return future
+
+    assert round_outcome(ended(result={"a": 1, "b": 2, "c": 3})) == ("ok", 3)
+    assert round_outcome(ended(error=AllreduceException("Averaging step failed: could not find a group"))) == (
+        "no_group",
+        0,
+    )
+    assert round_outcome(ended(error=TimeoutError())) == ("timeout", 0)
+    assert round_outcome(ended(error=RuntimeError("peer vanished"))) == ("failed", 0)
+    assert round_outcome(Future()) == ("timeout", 0)  # still running when the optimizer gave up waiting

@@ -74,8 +74,8 @@ def timed_allreduce(method: Callable) -> Callable:
 
 
 def observe_rounds(observer: RoundObserver) -> Callable[[], None]:
-    """Call ``observer(event, group_size)`` for each averaging round (see the module docstring); returns the function
-    that unregisters it. Register before building the optimizer to hear the averager processes too."""
+    """Call ``observer(event, group_size)`` for each averaging round (see the module docstring), in the training
+    process; returns the function that unregisters it."""
     _round_observers.append(observer)
     return functools.partial(_round_observers.remove, observer)
 
