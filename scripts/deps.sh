@@ -81,13 +81,15 @@ fi
 resolution=highest
 [ "$mode" = oldest ] && resolution=lowest-direct
 venv=".venv-$mode"
-compile "$work/set.txt" --extra test --resolution "$resolution"
+# --refresh: the checks are about releases as they are now, not as uv's cache last saw the index
+compile "$work/set.txt" --extra test --resolution "$resolution" --refresh
 rm -rf "$venv"
 python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q "torch==${torch_version}"
-"$venv/bin/python" -m pip install -q -r "$work/set.txt"
-"$venv/bin/python" -m pip install -q --no-deps -e .
+# installed by the resolver that chose the set: pip's cached view of the index lagged a release of that morning
+# and did not find the version uv had just chosen
+"$uv" pip install -q --refresh --python "$venv/bin/python" "${torch_source[@]}" --override "$work/torch-cpu.txt" \
+  -r "$work/set.txt"
+"$uv" pip install -q --python "$venv/bin/python" --no-deps -e .
 echo "== the $mode versions the ranges allow:"
 "$venv/bin/python" -m pip list --format=freeze 2>/dev/null \
   | grep -iE '^(torch|transformers|tokenizers|datasets|huggingface.hub|numpy|hivemind|bitsandbytes|safetensors)=' \
