@@ -34,6 +34,7 @@ MAX_EPOCH_LEAD = 3  # a record may be this many epochs ahead of the swarm's cons
 FAILING_SHARE = 0.5  # a peer whose rounds fail more often than this is marked on the dashboard
 FAILING_MIN_ROUNDS = 3  # ... once it ended at least this many rounds while the aux peer watched
 LAGGING_EPOCHS = 2  # an alive peer this many epochs behind the swarm's newest is marked as lagging
+SUCCESS_WINDOW = 600.0  # seconds of refreshes the round success ratio is taken over
 
 
 def peer_label(subkey: bytes) -> str:
@@ -106,6 +107,7 @@ class SwarmSnapshot:
     timeline: Tuple[TimePoint, ...]  # one point per refresh, oldest first
     health: HealthTotals = field(default_factory=HealthTotals)  # every trainer's, while the aux peer watched
     histograms: Dict[str, Histogram] = field(default_factory=new_histograms)  # see aux_monitor.health
+    round_success_ratio: Optional[float] = None  # rounds that succeeded over the last SUCCESS_WINDOW seconds
 
     @classmethod
     def empty(cls, now: float = 0.0) -> "SwarmSnapshot":
@@ -307,4 +309,18 @@ class MetricsAggregator:
             timeline=tuple(self._timeline),
             health=health,
             histograms=copy.deepcopy(self._histograms),
+            round_success_ratio=recent_success_ratio(self._timeline, now),
         )
+
+
+def recent_success_ratio(timeline, now: float, window: float = SUCCESS_WINDOW) -> Optional[float]:
+    """The share of the swarm's averaging rounds that succeeded over the last ``window`` seconds of refreshes (None:
+    none ended)."""
+    recent = [point for point in timeline if point.time >= now - window]
+    if not recent:
+        return None
+    first, last = recent[0], recent[-1]
+    ok, failed = last.rounds_ok - first.rounds_ok, last.rounds_failed - first.rounds_failed
+    if len(recent) == 1 or ok + failed == 0:  # one refresh: the totals so far are all there is to go by
+        ok, failed = last.rounds_ok, last.rounds_failed
+    return ok / (ok + failed) if ok + failed else None

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from aux_monitor.aggregation import SwarmSnapshot
+from aux_monitor.aggregation import SUCCESS_WINDOW, SwarmSnapshot
 from aux_monitor.health import OUTCOME_FIELDS
 from aux_monitor.state import MonitorState
 
@@ -21,7 +21,6 @@ PREFIX = "leanhive_"
 # most recently seen), so that a swarm with churn (or a peer minting keys) cannot grow Prometheus without bound
 PEER_SERIES_WINDOW = 600.0
 MAX_PEER_SERIES = 256
-SUCCESS_WINDOW = 600.0  # seconds of refreshes the round success ratio is taken over
 
 
 class SwarmCollector(Collector):
@@ -79,18 +78,6 @@ class SwarmCollector(Collector):
             )
 
 
-def recent_success_ratio(swarm: SwarmSnapshot, window: float = SUCCESS_WINDOW):
-    """The share of the swarm's averaging rounds that succeeded over the last ``window`` seconds (None: none ended)."""
-    recent = [point for point in swarm.timeline if point.time >= swarm.time - window]
-    if not recent:
-        return None
-    first, last = recent[0], recent[-1]
-    ok, failed = last.rounds_ok - first.rounds_ok, last.rounds_failed - first.rounds_failed
-    if len(recent) == 1 or ok + failed == 0:  # one refresh: the totals so far are all there is to go by
-        ok, failed = last.rounds_ok, last.rounds_failed
-    return ok / (ok + failed) if ok + failed else None
-
-
 def health_series_peers(swarm: SwarmSnapshot) -> list:
     """The peers that get per-peer health series (see PEER_SERIES_WINDOW)."""
     recent = [p for p in swarm.peers if p.health is not None and swarm.time - p.last_seen <= PEER_SERIES_WINDOW]
@@ -107,10 +94,11 @@ def _health_metrics(swarm: SwarmSnapshot) -> Iterator[Metric]:
     for outcome, name in OUTCOME_FIELDS.items():
         rounds.add_metric([outcome], getattr(totals, name))
     yield rounds
-    ratio = recent_success_ratio(swarm)
-    if ratio is not None:
+    if swarm.round_success_ratio is not None:
         yield _gauge(
-            "round_success_ratio", f"Share of rounds that succeeded over the last {SUCCESS_WINDOW:.0f} s", ratio
+            "round_success_ratio",
+            f"Share of rounds that succeeded over the last {SUCCESS_WINDOW:.0f} s",
+            swarm.round_success_ratio,
         )
     if totals.compute_share is not None:
         yield _gauge(

@@ -15,19 +15,16 @@ from dataclasses import dataclass, field, fields
 from typing import Dict, Optional, Tuple
 
 from peer.swarm.records import RoundHealth
-from peer.swarm.round_health import compute_share
+from peer.swarm.round_health import TOTALS, compute_share
 
 logger = logging.getLogger(__name__)
 
-FAILURES = ("failed_no_group", "failed_timeout", "failed_partial")
 OUTCOME_FIELDS = {
     "ok": "rounds_ok",
     "no_group": "failed_no_group",
     "timeout": "failed_timeout",
     "partial": "failed_partial",
 }
-SECONDS = ("compute_seconds", "wait_seconds", "matchmaking_seconds", "allreduce_seconds", "optimizer_seconds")
-TOTALS = ("rounds_joined", "rounds_ok", *FAILURES, *SECONDS, "bytes_sent", "bytes_received")
 # What growth between two records the time between them allows, with a margin for clock jitter and for work
 # that ended just before a record and started before the previous one
 TIME_SLACK = 1.5

@@ -18,6 +18,10 @@ from peer.swarm.hivemind_seam import observe_phases, observe_rounds, observe_tra
 from peer.swarm.records import REACHABILITY, SYNC_MODES, RoundHealth
 
 OUTCOMES = ("ok", "no_group", "timeout", "partial")
+# the RoundHealth fields that are totals (readers take their differences), and the failures among them
+FAILURES = ("failed_no_group", "failed_timeout", "failed_partial")
+SECONDS = ("compute_seconds", "wait_seconds", "matchmaking_seconds", "allreduce_seconds", "optimizer_seconds")
+TOTALS = ("rounds_joined", "rounds_ok", *FAILURES, *SECONDS, "bytes_sent", "bytes_received")
 PHASES = ("compute", "wait", "matchmaking", "allreduce", "optimizer")
 # slots of the shared array: doubles hold every integer count exactly up to 2**53
 _SLOTS = {
@@ -148,10 +152,10 @@ class HealthLine:
     previous: Optional[RoundHealth] = None
 
     def format(self, health: RoundHealth) -> str:
-        before = self.previous or health.copy(update={name: 0 for name in _COUNTED})
+        before = self.previous or health.copy(update={name: 0 for name in TOTALS})
         self.previous = health
         ok = health.rounds_ok - before.rounds_ok
-        failed = sum(getattr(health, name) - getattr(before, name) for name in _FAILURES)
+        failed = sum(getattr(health, name) - getattr(before, name) for name in FAILURES)
         share = compute_share(
             health.compute_seconds - before.compute_seconds, health.wait_seconds - before.wait_seconds
         )
@@ -161,18 +165,3 @@ class HealthLine:
             + f", sent {(health.bytes_sent - before.bytes_sent) / 1e6:.1f} MB, "
             f"received {(health.bytes_received - before.bytes_received) / 1e6:.1f} MB"
         )
-
-
-_FAILURES = ("failed_no_group", "failed_timeout", "failed_partial")
-_COUNTED = (
-    "rounds_joined",
-    "rounds_ok",
-    *_FAILURES,
-    "compute_seconds",
-    "wait_seconds",
-    "matchmaking_seconds",
-    "allreduce_seconds",
-    "optimizer_seconds",
-    "bytes_sent",
-    "bytes_received",
-)
