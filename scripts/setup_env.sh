@@ -8,12 +8,14 @@ cd "$(dirname "$(readlink -f "$0")")/.."
 lock=requirements.lock
 if [ "${1:-}" = "--test" ]; then
   lock=requirements-test.lock
-  # System programs the tests drive for real: Prometheus, headless Chromium, iproute2 (netns, tc).
+  # System programs the tests drive for real: Prometheus, headless Chromium, iproute2 (netns, tc), iptables (the
+  # home routers' NAT in the home-network testbed, benchmarks/testbed/home).
   need=()
   command -v prometheus >/dev/null || need+=(prometheus)
   command -v chromium >/dev/null || need+=(chromium chromium-driver)
   command -v ip >/dev/null || need+=(iproute2)
   command -v tc >/dev/null || need+=(iproute2)
+  command -v iptables >/dev/null || need+=(iptables)
   if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
       echo "installing system packages: ${need[*]}"
