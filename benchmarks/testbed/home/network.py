@@ -102,7 +102,7 @@ def home_network_unavailable_reason() -> Optional[str]:
     try:
         _sh("ip", "netns", "add", probe)
         result = subprocess.run(
-            ["ip", "netns", "exec", probe, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "lo", "-j", "MASQUERADE"],
+            ["ip", "netns", "exec", probe, "iptables", "-t", "nat", "-A", "POSTROUTING", "-j", "MASQUERADE"],
             capture_output=True,
             text=True,
             timeout=10,
