@@ -35,8 +35,10 @@ class AuxArguments:
     """How many of the newest valid checkpoints to keep; older ones are deleted."""
     resume: bool = False
     """At start, load the newest valid checkpoint from checkpoint_dir and offer it to joining trainers."""
-    assist_in_averaging: bool = False
-    """Take part in the trainers' all-reduce rounds (adds this machine's bandwidth; needs a reachable peer)."""
+    assist_in_averaging: Optional[bool] = None
+    """Take part in the trainers' all-reduce rounds as a reducer (this machine's bandwidth; contributes no data).
+    Default (none): only while client-mode trainers (volunteers nobody can dial) are online and this aux can be
+    dialled, since they cannot average without a reachable peer; true: whenever trainers are online; false: never."""
     assist_refresh: float = 1.0
     """Seconds between checks for a new averaging round when assist_in_averaging is on."""
     eval_every: int = 0

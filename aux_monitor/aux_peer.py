@@ -76,8 +76,8 @@ def _wait_for_uploads(uploader: HubUploader) -> None:
 class AuxPeer:
     """An aux peer built whole by ``build`` (entry points run it with ``peer.swarm.lifecycle.run_peer``)."""
 
-    def __init__(self, *, monitor: AuxMonitor, stop_requested: threading.Event, assist_in_averaging: bool):
-        self.monitor, self.stop_requested, self.assist_in_averaging = monitor, stop_requested, assist_in_averaging
+    def __init__(self, *, monitor: AuxMonitor, stop_requested: threading.Event):
+        self.monitor, self.stop_requested = monitor, stop_requested
 
     @classmethod
     def build(cls, config: AuxConfig, control: PeerControl, parts: contextlib.ExitStack) -> "AuxPeer":
@@ -86,10 +86,11 @@ class AuxPeer:
         Each part's shutdown goes on ``parts`` as soon as the part exists; closed (``run_peer`` always does), it
         stops the server, waits for uploads, stops the sampler, leaves the swarm, then stops the watchdog and DHT."""
         net, aux = config.network, config.aux
-        if net.client_mode:
+        if net.client_mode or net.reachability == "private":
             raise ValueError(
                 "an aux peer cannot run in client mode: it must accept connections to serve its "
-                "state and join averaging; drop --client_mode (or run it where its port is reachable)"
+                "state and join averaging; drop --client_mode / --reachability private (or run it where its port is "
+                "reachable)"
             )
         parts.callback(logger.info, "Aux peer shut down")
         model = build_swarm_model(aux.model_config)  # before joining: a bad config fails fast
@@ -100,10 +101,15 @@ class AuxPeer:
             else None
         )
 
-        swarm = connect(net)
+        # announced as "assist" (a reducer client-mode trainers can count on) unless --assist_in_averaging false
+        assist = {True: "always", False: "never", None: "auto"}[aux.assist_in_averaging]
+        swarm = connect(net, role=lambda: "aux" if assist == "never" else "assist")
         parts.callback(swarm.dht.shutdown)
         if swarm.watchdog is not None:
             parts.callback(swarm.watchdog.shutdown)
+        parts.callback(swarm.shutdown_service)
+        if assist == "auto" and not swarm.reachability.reachable:
+            assist = "never"  # a reducer nobody can dial would only stall the trainers' rounds
         control.watchdog = swarm.watchdog
         check_sync_mode(swarm.dht, net.run_id, config.collaboration.sync_mode)  # before it declares its own
 
@@ -148,6 +154,7 @@ class AuxPeer:
             uploader=uploader,
             validation=validation,
             sampler=sampler,
+            assist=assist,
         )
         if aux.resume:
             monitor.resume()
@@ -164,17 +171,20 @@ class AuxPeer:
             server.port,
         )
         events.emit("serving", port=server.port, epoch=monitor.replica.held_epoch)
-        return cls(monitor=monitor, stop_requested=control.stop_requested, assist_in_averaging=aux.assist_in_averaging)
+        return cls(monitor=monitor, stop_requested=control.stop_requested)
 
     def run(self) -> None:
         """Until a stop request; the assisting thread (if any) has ended, or had 30 s to, when this returns."""
         assist = None
-        if self.assist_in_averaging:
+        if self.monitor.assist != "never":
             assist = threading.Thread(
                 target=self.monitor.run_assist, args=(self.stop_requested,), name="assist-averaging", daemon=True
             )
             assist.start()
-            logger.info("Assisting the trainers' averaging rounds")
+            if self.monitor.assist == "always":
+                logger.info("Assisting the trainers' averaging rounds")
+            else:
+                logger.info("Will assist in averaging while client-mode trainers are online (--assist_in_averaging)")
         try:
             self.monitor.run(self.stop_requested)
         finally:

@@ -24,9 +24,12 @@ from aux_monitor.replica import SwarmReplica
 from aux_monitor.sampler import CheckpointSampler
 from aux_monitor.state import StateHolder
 from peer.swarm import events
-from peer.swarm.records import fetch_metrics
+from peer.swarm.records import fetch_metrics, read_progress
 
 logger = logging.getLogger(__name__)
+
+ASSIST_MODES = ("always", "auto", "never")
+CLIENT_PROGRESS_WINDOW = 60.0  # seconds: a client-mode trainer's progress record is refreshed more often
 
 
 def is_due(epoch: int, last_done: Optional[int], every: int) -> bool:
@@ -49,8 +52,14 @@ class AuxMonitor:
         uploader: Optional[HubUploader] = None,
         validation: Optional[Sequence[dict]] = None,
         sampler: Optional[CheckpointSampler] = None,
+        assist: Optional[str] = None,
     ):
         self.dht, self.run_id, self.args, self.holder = dht, run_id, args, holder
+        # always / auto (while client-mode trainers are online) / never; from --assist_in_averaging by default
+        self.assist = assist or {True: "always", False: "never", None: "auto"}[args.assist_in_averaging]
+        if self.assist not in ASSIST_MODES:
+            raise ValueError(f"assist must be one of {', '.join(ASSIST_MODES)}, got {self.assist!r}")
+        self.clients_online = threading.Event()  # client-mode trainers reported progress recently
         self.replica, self.checkpoints, self.uploader, self.validation = replica, checkpoints, uploader, validation
         self.sampler = sampler
         self.aggregator = MetricsAggregator(alive_window=args.alive_window)
@@ -101,6 +110,8 @@ class AuxMonitor:
                 snapshot.samples_per_second,
             )
 
+        if self.assist == "auto":
+            self._watch_clients()
         if snapshot.alive_peers > 0:
             self.trainers_online.set()
             self._serving_checkpoint = False
@@ -118,7 +129,7 @@ class AuxMonitor:
         with self.replica.exclusive():  # no assist step touches the state between its download and its use
             held = self.replica.held_epoch
             # assisting peers' parameters are touched by averaging rounds: only a fresh download is the swarm's
-            if held is None or held < epoch or self.args.assist_in_averaging:
+            if held is None or held < epoch or self.assist != "never":
                 held = self.replica.download()
                 if held is None:
                     logger.warning(
@@ -133,6 +144,27 @@ class AuxMonitor:
             if want_checkpoint and is_due(held, self.last_checkpoint_epoch, self.args.checkpoint_every):
                 self._checkpoint(loss=snapshot.loss)
 
+    def _watch_clients(self) -> None:
+        """--assist_in_averaging auto: assist while client-mode trainers report progress (they need a reducer)."""
+        now = get_dht_time()
+        clients = [
+            r
+            for r in read_progress(self.dht, self.run_id, timeout=5.0)
+            if r.client_mode and now - r.time <= CLIENT_PROGRESS_WINDOW
+        ]
+        if clients and not self.clients_online.is_set():
+            logger.info("Assisting in averaging: %d client-mode trainer(s) online need a reachable peer", len(clients))
+            events.emit("assisting", clients=len(clients))
+        elif not clients and self.clients_online.is_set():
+            logger.info("No client-mode trainer online: no longer assisting in averaging")
+            events.emit("assisting", clients=0)
+        (self.clients_online.set if clients else self.clients_online.clear)()
+
+    def should_assist(self) -> bool:
+        if self.assist == "never" or not self.trainers_online.is_set():
+            return False
+        return self.assist == "always" or self.clients_online.is_set()
+
     def _tracked_epoch(self) -> Optional[int]:
         """The progress tracker's epoch, a consensus of the trainers' progress records that no single peer moves;
         None while no trainer reports progress (the metrics records' median is the reference then)."""
@@ -146,7 +178,7 @@ class AuxMonitor:
         trainers that died leaves them broken. (A non-assisting aux never steps, so it keeps offering the
         state it downloaded last.)
         """
-        if not self.args.assist_in_averaging or self.checkpoints is None or self._serving_checkpoint:
+        if self.assist == "never" or self.checkpoints is None or self._serving_checkpoint:
             return
         loaded = self.checkpoints.load_newest_valid()
         if loaded is None:
@@ -215,7 +247,7 @@ class AuxMonitor:
     def run_assist(self, stop: threading.Event) -> None:
         """Join the trainers' averaging rounds (the auxiliary optimizer's step) until ``stop`` is set."""
         while not stop.wait(self.args.assist_refresh):
-            if not self.trainers_online.is_set():
+            if not self.should_assist():
                 continue
             try:
                 self.replica.assist_step()

@@ -47,6 +47,7 @@ from peer.swarm.joining import (
 from peer.swarm.lifecycle import PeerControl
 from peer.swarm.network import NetworkArguments, connect
 from peer.swarm.optimizer import build_optimizer
+from peer.swarm.reachability import ReducerWatch
 from peer.swarm.records import LocalMetrics, publish_metrics
 from peer.swarm.round_health import HealthLine, RoundHealthCounter
 from peer.swarm.tensors import all_finite
@@ -158,6 +159,7 @@ class TrainerPeer:
         block_scaler: Optional[PerBlockGradScaler] = None,
         counters: Optional[LoopCounters] = None,
         health: Optional[RoundHealthCounter] = None,
+        reducer_watch: Optional[ReducerWatch] = None,
     ):
         self.config, self.control = config, control
         self.dht, self.public_key, self.watchdog = dht, public_key, watchdog  # watchdog: None with --rejoin_period 0
@@ -169,6 +171,7 @@ class TrainerPeer:
         # what hivemind's averaging reports goes in only when build attached it; a test's peer counts its loop alone
         self.health = health if health is not None else RoundHealthCounter(sync_mode=config.collaboration.sync_mode)
         self.health_line = HealthLine()
+        self.reducer_watch = reducer_watch  # a client-mode trainer's: pauses training while nobody can reduce
         self.batch_size_per_step = batch_size_per_step(config.training)
         self._backup_failed = False
 
@@ -190,8 +193,14 @@ class TrainerPeer:
         parts.callback(swarm.dht.shutdown)
         if swarm.watchdog is not None:
             parts.callback(swarm.watchdog.shutdown)
+        parts.callback(swarm.shutdown_service)
         control.watchdog = swarm.watchdog
         check_sync_mode(swarm.dht, net.run_id, collab.sync_mode)  # before it declares its own
+        client_mode = swarm.client_mode  # --client_mode, --reachability, or found out (peer.swarm.reachability)
+        reducer_watch = None
+        if client_mode:  # a client averages only through a reachable peer: say so and pause while there is none
+            reducer_watch = ReducerWatch(swarm.dht, net.run_id).start()
+            parts.callback(reducer_watch.shutdown)
 
         model = build_model(train, placement)
         # data before the optimizer: building it declares this peer's state to the swarm, and a peer waiting for
@@ -199,7 +208,7 @@ class TrainerPeer:
         # let the other end its first epochs alone
         batches = _build_batches(config, model, swarm.dht, epoch=lambda: optimizer.local_epoch)
         # before the optimizer: its averager processes, forked while it is built, report into the same counter
-        health = RoundHealthCounter(sync_mode=collab.sync_mode, reachability="client" if net.client_mode else "public")
+        health = RoundHealthCounter(sync_mode=collab.sync_mode, reachability=swarm.reachability.label)
         parts.callback(health.attach())
         grad_scaler, block_scaler = None, None
         if placement.uses_grad_scaler and train.per_block_grad_scaling:
@@ -216,7 +225,7 @@ class TrainerPeer:
             batch_size_per_step=batch_size_per_step(train),
             collab=collab,
             optim=config.optimizer,
-            client_mode=net.client_mode,
+            client_mode=client_mode,
             # hivemind's GradScaler unscales the accumulated gradients only when they live in .grad
             reuse_grad_buffers=grad_scaler is not None,
         )
@@ -229,7 +238,7 @@ class TrainerPeer:
                 dht=swarm.dht,
                 run_id=net.run_id,
                 public_key=swarm.public_key,
-                client_mode=net.client_mode,
+                client_mode=client_mode,
                 collab=collab,
                 optimizer_args=config.optimizer,
                 batch_size_per_step=batch_size_per_step(train),
@@ -253,6 +262,7 @@ class TrainerPeer:
             block_scaler=block_scaler,
             counters=counters,
             health=health,
+            reducer_watch=reducer_watch,
         )
         peer._join()
         return peer
@@ -293,6 +303,8 @@ class TrainerPeer:
                 break
             if self.watchdog is not None and self.watchdog.wait_while_isolated(stop):
                 resync_with_swarm(self.optimizer)
+            if self.reducer_watch is not None and self.reducer_watch.wait_while_missing(stop):
+                continue  # paused: check max_epochs and the stop request again before computing
             self.strategy.before_step()
             epoch_before = self.optimizer.local_epoch
             self._train_step(stats)

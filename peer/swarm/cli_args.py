@@ -109,8 +109,9 @@ def _flag_kwargs(annotation) -> Dict[str, Any]:
             kwargs["type"] = _optional(type(choices[0]))
         return kwargs
     if inner is bool:
-        # `--flag` alone means true; `--flag false` is accepted too (handy in generated command lines)
-        return dict(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
+        # `--flag` alone means true; `--flag false` is accepted too (handy in generated command lines); an
+        # Optional[bool] also takes `none` (its default usually means "decide by yourself")
+        return dict(nargs="?", const=True, type=_optional(_parse_bool) if optional else _parse_bool, metavar="BOOL")
     parse = {int: int, float: float, str: str}.get(inner)
     if parse is None:
         raise TypeError(f"unsupported field type {annotation!r}; use bool, int, float, str, Literal, List or Optional")

@@ -12,6 +12,9 @@
 - ``<run_id>_round_fingerprints``: ``--sync_mode local``: a sample of each trainer's shared parameters after its last
   few rounds (peer.swarm.records.RoundFingerprints), one signed subkey per peer; peers compare them to find and
   repair a disagreement (peer.swarm.agreement).
+- ``<run_id>_reachable``: peers that others can dial (peer.swarm.reachability.ReachablePeer: trainers, aux peers and
+  whether an aux assists in averaging), one signed subkey per peer; joiners ask them to dial back, client-mode
+  trainers look there for a reducer.
 - ``<prefix>.0b<bits>`` for all averagers' prefixes: hivemind's matchmaking keys (subkey: peer ID bytes, value:
   whether the peer is looking for a group); LeanHive never sets group bits, so ``<prefix>.0b`` is the one in use.
 """
@@ -29,6 +32,10 @@ def progress_key(run_id: str) -> str:
 
 def fingerprints_key(run_id: str) -> str:
     return f"{run_id}_round_fingerprints"
+
+
+def reachable_key(run_id: str) -> str:
+    return f"{run_id}_reachable"
 
 
 def state_averager_prefix(run_id: str) -> str:

@@ -6,9 +6,9 @@ Trainers and auxiliary peers both use this module, so every peer validates recor
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Literal, Optional, Sequence
 
 import hivemind
 from hivemind.dht.validation import RecordValidatorBase
@@ -19,6 +19,13 @@ from peer.swarm import events
 from peer.swarm.auth import AuthorizationError, check_own_peer_id, make_authorizer
 from peer.swarm.errors import NetworkSetupError
 from peer.swarm.identity import load_or_create_signing_key, signing_key_path
+from peer.swarm.reachability import (
+    HOW_TO_BE_REACHABLE,
+    Reachability,
+    ReachabilityService,
+    decide_without_probe,
+    probe,
+)
 from peer.swarm.records import make_validators
 from peer.swarm.watchdog import DHTWatchdog, start_watchdog
 
@@ -43,7 +50,13 @@ class NetworkArguments:
     identity_path: Optional[str] = None
     """Private key file for a stable peer ID (created if missing); a signing key is kept beside it."""
     client_mode: bool = False
-    """Do not accept incoming connections (for peers behind NAT/firewalls without port forwarding)."""
+    """Do not accept incoming connections; the same as --reachability private (auto finds it out by itself)."""
+    reachability: Literal["auto", "public", "private"] = "auto"
+    """Whether other peers can dial this one. auto: the first peer of a swarm is public; a joiner asks reachable
+    peers to dial it back and, if none can, runs as a client of the swarm (it averages through reachable peers and
+    serves nothing). public: skip the check (e.g. a server with an open port). private: always a client, like
+    --client_mode. To be a full peer behind a home router, forward a port and pass --host_maddrs
+    /ip4/0.0.0.0/tcp/<port> --announce_maddrs /ip4/<public ip>/tcp/<port>."""
     use_ipfs: bool = False
     """Use the public IPFS DHT to find peers (cannot be combined with initial_peers)."""
     dht_startup_timeout: float = 60.0
@@ -84,6 +97,13 @@ class NetworkArguments:
                 "authorized_keys needs a stable identity: add --identity_path (e.g. "
                 "--identity_path keys/peer.key); its line in the allowlist stays valid across restarts"
             )
+        if self.reachability not in ("auto", "public", "private"):
+            raise ValueError(f"reachability must be auto, public or private, got {self.reachability!r}")
+        if self.client_mode and self.reachability == "public":
+            raise ValueError(
+                "--client_mode and --reachability public contradict each other: drop --client_mode to run as a full "
+                "peer, or use --reachability private (the same as --client_mode)"
+            )
         if not (self.rejoin_period >= 0 and self.isolation_grace >= 0):
             raise ValueError(
                 f"rejoin_period and isolation_grace must be zero or positive seconds, got "
@@ -103,8 +123,16 @@ def _check_maddr(name: str, addr: str, need_peer_id: bool) -> None:
         )
 
 
-def create_dht(args: NetworkArguments, record_validators: Sequence[RecordValidatorBase], **kwargs) -> hivemind.DHT:
-    """Start a DHT peer, or raise NetworkSetupError that names unreachable peers and suggests fixes."""
+def create_dht(
+    args: NetworkArguments,
+    record_validators: Sequence[RecordValidatorBase],
+    *,
+    client_mode: Optional[bool] = None,
+    **kwargs,
+) -> hivemind.DHT:
+    """Start a DHT peer, or raise NetworkSetupError that names unreachable peers and suggests fixes.
+
+    ``client_mode``: the mode decided by ``peer.swarm.reachability`` (default: ``args.client_mode``)."""
     if args.identity_path is not None:
         Path(args.identity_path).parent.mkdir(parents=True, exist_ok=True)
     authorizer = None
@@ -120,7 +148,7 @@ def create_dht(args: NetworkArguments, record_validators: Sequence[RecordValidat
             host_maddrs=args.host_maddrs,
             announce_maddrs=args.announce_maddrs or None,
             identity_path=args.identity_path,
-            client_mode=args.client_mode,
+            client_mode=args.client_mode if client_mode is None else client_mode,
             use_ipfs=args.use_ipfs,
             record_validators=list(record_validators),
             startup_timeout=args.dht_startup_timeout,
@@ -161,20 +189,88 @@ class SwarmConnection:
     signing_key: RSAPrivateKey
     public_key: bytes  # the subkey this peer signs its records with
     join_line: str  # what other peers paste to join: --initial_peers ... --run_id ...
+    reachability: Reachability = field(
+        default_factory=lambda: Reachability(False, True, "forced", "assumed public")
+    )  # whether others can dial it, hence the mode of its DHT and averagers
+    service: Optional[ReachabilityService] = None  # serves dial-back probes, announces it, watches the network
+
+    @property
+    def client_mode(self) -> bool:
+        return self.reachability.client_mode
+
+    def shutdown_service(self) -> None:
+        if self.service is not None:
+            self.service.shutdown()
 
 
-def connect(args: NetworkArguments) -> SwarmConnection:
-    """Signing key, record validators, DHT (NetworkSetupError if no initial peer answers) and its watchdog;
-    logs the line others use to join."""
+def connect(args: NetworkArguments, role: Callable[[], str] = lambda: "trainer") -> SwarmConnection:
+    """Signing key, record validators, DHT (NetworkSetupError if no initial peer answers), its reachability
+    (peer.swarm.reachability: decided, or probed and the DHT restarted as a full peer) and its watchdog; logs the
+    line others use to join. ``role()``: what this peer announces itself as when others can dial it (trainer, aux,
+    assist); an aux peer never runs as a client."""
     signing_key = load_or_create_signing_key(signing_key_path(args.identity_path))
     validators, public_key = make_validators(args.run_id, signing_key)
-    dht = create_dht(args, validators)
+    can_be_client = role() == "trainer"
+    decision = decide_without_probe(
+        client_mode=args.client_mode,
+        reachability=args.reachability,
+        has_initial_peers=bool(args.initial_peers) or args.use_ipfs,
+        can_be_client=can_be_client,
+    )
+    if decision is not None:
+        dht = create_dht(args, validators, client_mode=decision.client_mode)
+    else:
+        # a joiner starts as a client, so that nobody routes to it before it is known to be dialable (p2pd listens
+        # all the same, which is what the probe dials)
+        dht = create_dht(args, validators, client_mode=can_be_client)
+        reachable, why = probe(dht, args.run_id)
+        if reachable and can_be_client:
+            dht = _restart_as_full_peer(dht, args, validators)
+        decision = Reachability(can_be_client and not reachable, reachable, "probe", why)
+        if not reachable:
+            what = "runs as a client of the swarm" if can_be_client else "cannot serve its state or assist"
+            logger.warning("This peer cannot be dialled by other peers (%s): it %s; %s", why, what, HOW_TO_BE_REACHABLE)
+    logger.info(
+        "Reachability: %s (%s: %s)", "client" if decision.client_mode else "full peer", decision.source, decision.reason
+    )
+    events.emit(
+        "reachability",
+        client_mode=decision.client_mode,
+        reachable=decision.reachable,
+        source=decision.source,
+        reason=decision.reason,
+    )
     watchdog = start_watchdog(dht, args)
     maddrs = joinable_maddrs(dht)
     join_line = f"--initial_peers {' '.join(maddrs)} --run_id {args.run_id}"  # the exact text others paste
-    logger.info("To join this collaboration, run peers with:\n%s", join_line)
+    if not decision.client_mode:  # a client cannot be dialled: others join through the peers it joined
+        logger.info("To join this collaboration, run peers with:\n%s", join_line)
     events.emit("dht_started", peer_id=dht.peer_id.to_base58(), initial_peers=maddrs, run_id=args.run_id)
-    return SwarmConnection(dht, watchdog, signing_key, public_key, join_line)
+    service = ReachabilityService(
+        dht, args.run_id, public_key, decision, role, reprobe=args.reachability == "auto" and decision.source == "probe"
+    ).start()
+    return SwarmConnection(dht, watchdog, signing_key, public_key, join_line, decision, service)
+
+
+def _restart_as_full_peer(
+    dht: hivemind.DHT, args: NetworkArguments, validators: Sequence[RecordValidatorBase]
+) -> hivemind.DHT:
+    """The same peer (identity, listening port) as a full DHT peer: the port the probe dialled stays the one
+    others dial."""
+    ports = {str(m).split("/tcp/")[1].split("/")[0] for m in dht.get_visible_maddrs() if "/tcp/" in str(m)}
+    host_maddrs = list(args.host_maddrs)
+    if len(ports) == 1:
+        (port,) = ports
+        host_maddrs = [
+            m.replace("/tcp/0", f"/tcp/{port}") if m.rstrip("/").endswith("/tcp/0") else m for m in host_maddrs
+        ]
+    dht.shutdown()
+    restarted = replace(args, host_maddrs=host_maddrs)
+    try:
+        return create_dht(restarted, validators, client_mode=False, check_if_identity_free=False)
+    except NetworkSetupError:
+        logger.warning("Could not listen on %s again; listening on %s", host_maddrs, args.host_maddrs)
+        return create_dht(args, validators, client_mode=False, check_if_identity_free=False)
 
 
 def joinable_maddrs(dht: hivemind.DHT) -> List[str]:

@@ -22,13 +22,14 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.swarm.hivemind_seam import KeyRule, RecordSizeValidator, SwarmKeyValidator
+from peer.swarm.hivemind_seam import MAX_CLOCK_SKEW, KeyRule, RecordSizeValidator, SwarmKeyValidator
 from peer.swarm.keys import (
     averager_prefixes,
     fingerprints_key,
     matchmaking_keys,
     metrics_key,
     progress_key,
+    reachable_key,
     state_sharing_key,
 )
 
@@ -51,6 +52,11 @@ __all__ = [
     "read_state_sharing",
     "state_sharing_key",
     "swarm_key_rules",
+    "REACHABLE_EXPIRATION",
+    "REACHABLE_ROLES",
+    "ReachablePeer",
+    "fetch_reachable",
+    "publish_reachable",
 ]
 
 logger = logging.getLogger(__name__)
@@ -166,12 +172,33 @@ class FingerprintsSchema(pydantic.BaseModel):
     round_fingerprints: Dict[BytesWithPublicKey, RoundFingerprints]
 
 
+REACHABLE_ROLES = ("trainer", "aux", "assist")  # assist: an aux peer that joins the averaging of client trainers
+REACHABLE_EXPIRATION = 90.0  # seconds a reachable peer's record lives; it re-announces every third of that
+
+
+class ReachablePeer(pydantic.BaseModel):
+    """A peer that others can dial (it passed a dial-back probe, was the first peer, or was told it is public):
+    it serves dial-back probes, and a trainer or an assisting aux can be the reducer of client-mode trainers."""
+
+    peer_id: pydantic.conbytes(min_length=3, max_length=130, strict=True)
+    role: pydantic.constr(regex=r"^(trainer|aux|assist)$", strict=True)
+    time: pydantic.confloat(ge=0.0, le=1e12, strict=True)  # DHT time of the announcement
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class ReachableSchema(pydantic.BaseModel):
+    reachable: Dict[BytesWithPublicKey, ReachablePeer]
+
+
 def swarm_key_rules(run_id: str) -> Dict[str, KeyRule]:
     """Every key the swarm reads, with the form its entries must have and how far ahead they may expire."""
     rules = {
         metrics_key(run_id): KeyRule(metrics_key(run_id), "signed", METRICS_EXPIRATION),
         progress_key(run_id): KeyRule(progress_key(run_id), "signed", PROGRESS_MAX_TTL),
         fingerprints_key(run_id): KeyRule(fingerprints_key(run_id), "signed", FINGERPRINT_EXPIRATION),
+        reachable_key(run_id): KeyRule(reachable_key(run_id), "signed", REACHABLE_EXPIRATION),
     }
     for prefix in averager_prefixes(run_id):
         sharing = f"{prefix}.all_averagers"
@@ -195,6 +222,7 @@ def make_validators(
         SwarmKeyValidator(swarm_key_rules(run_id)),
         SchemaValidator(MetricsSchema, prefix=run_id),
         SchemaValidator(FingerprintsSchema, prefix=run_id),
+        SchemaValidator(ReachableSchema, prefix=run_id),
         signature_validator,
         *extra,
     ]
@@ -256,6 +284,29 @@ def fetch_fingerprints(dht: hivemind.DHT, run_id: str, epoch: int, timeout: floa
         if rounds:
             found[record.peer_id] = rounds[-1]
     return {peer_id: found_round for peer_id, found_round in found.items() if claimed[peer_id] == 1}
+
+
+def publish_reachable(dht: hivemind.DHT, run_id: str, public_key: bytes, record: ReachablePeer):
+    """Announce that this peer can be dialled (in the background); returns a future."""
+    return _store_own_entry(dht, reachable_key(run_id), public_key, record, REACHABLE_EXPIRATION)
+
+
+def fetch_reachable(dht: hivemind.DHT, run_id: str, timeout: float) -> List[ReachablePeer]:
+    """Every well-formed, fresh announcement of a reachable peer. Untrusted like every record: malformed ones are
+    skipped, and a peer ID claimed by two records counts for neither (which one is real cannot be told)."""
+    now = get_dht_time()
+    found: Dict[bytes, ReachablePeer] = {}
+    claimed: Dict[bytes, int] = {}
+    for entry in _latest(dht, reachable_key(run_id), timeout).values():
+        try:
+            record = ReachablePeer.parse_obj(entry.value)
+        except (pydantic.ValidationError, TypeError):
+            continue
+        if not now - REACHABLE_EXPIRATION <= record.time <= now + MAX_CLOCK_SKEW:
+            continue
+        claimed[record.peer_id] = claimed.get(record.peer_id, 0) + 1
+        found[record.peer_id] = record
+    return [record for peer_id, record in found.items() if claimed[peer_id] == 1]
 
 
 # --------------------------------------------------------------------------- records hivemind writes

@@ -15,6 +15,7 @@ import pytest
 
 from peer.swarm import hivemind_seam
 from peer.swarm.hivemind_seam import averaging, dht, progress
+from peer.swarm.hivemind_seam import reachability as reachability_seam
 
 pytestmark = pytest.mark.deps  # scripts/test.sh --newest/--oldest run these
 
@@ -215,3 +216,38 @@ def test_round_outcome_says_how_a_round_ended():
     assert round_outcome(ended(error=TimeoutError())) == ("timeout", 0)
     assert round_outcome(ended(error=RuntimeError("peer vanished"))) == ("failed", 0)
     assert round_outcome(Future()) == ("timeout", 0)  # still running when the optimizer gave up waiting
+
+
+# ------------------------------------------------------------------------------- reachability (dial-back probe)
+
+
+@pytest.mark.parametrize(
+    "cls, name, expected",
+    reachability_seam.USED_METHODS,
+    ids=[f"{c.__name__}.{n}" for c, n, _ in reachability_seam.USED_METHODS],
+)
+def test_p2p_api_of_the_dial_back_probe_keeps_its_signature(cls, name, expected):
+    actual = str(inspect.signature(getattr(cls, name)))
+    assert actual == expected, (
+        f"hivemind's {cls.__qualname__}.{name} changed its signature; peer/swarm/hivemind_seam/reachability.py calls "
+        f"it.\n  written against: {expected}\n  installed:       {actual}"
+    )
+
+
+def test_dial_back_probe_runs_in_the_dht_process_through_its_p2p():
+    """The probe over the pinned hivemind: a handler registered on a DHT's p2pd (``DHTNode.p2p``, in the DHT's
+    process) answers a stream opened by another DHT, and the server sees the requester's address."""
+    from hivemind.dht.node import DHTNode
+
+    assert "p2p" in _assigned_self_attributes(DHTNode)
+    server = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=server.get_visible_maddrs())
+    try:
+        server.run_coroutine(reachability_seam.DialBackServer().register)
+        own = client.run_coroutine(reachability_seam.own_dialable_maddrs)
+        assert own and all(m.startswith("/ip4/127.0.0.1/tcp/") for m in own)
+        answer = client.run_coroutine(reachability_seam.DialBackRequest(server.peer_id.to_base58(), own))
+        assert answer.reachable, answer
+    finally:
+        client.shutdown()
+        server.shutdown()

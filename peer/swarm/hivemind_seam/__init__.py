@@ -87,6 +87,13 @@ Traffic observers (``traffic``)
 - ``observe_traffic``: wraps ``P2P.send_raw_data`` / ``P2P.receive_raw_data`` (static methods every hivemind stream
   and RPC writes and reads through) to count the payload bytes of each message, for the trainers' round health.
 
+Reachability (``reachability``; ``USED_METHODS`` there pins the P2P calls)
+- ``DialBackServer`` / ``DialBackRequest``: a dial-back probe served on the DHT's own p2pd with
+  ``P2P.add_binary_stream_handler`` (run in the DHT process through ``DHT.run_coroutine``; reads ``DHTNode.p2p``):
+  the server opens a fresh TCP connection to the requester's announced addresses (its observed IP only, bounded
+  per peer and minute) and answers whether a libp2p listener replied. ``own_dialable_maddrs`` drops
+  ``/p2p-circuit`` addresses, ``relayed`` tells them apart (a relay-v2 circuit carries 128 KiB by default).
+
 Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
 - ``__init__``: sets its own state (consensus, claims, refutations) before hivemind's, which starts the thread.
 - ``_parse_swarm_progress_data`` (private): bounds what one signed record may claim before hivemind's arithmetic
