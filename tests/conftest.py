@@ -59,7 +59,7 @@ def cleanup_children():
 
 # Opt-in suites (registered in pyproject.toml): deselected unless the -m expression names them, so the default run
 # and `-m "not slow"` leave them out while `-m docker` or `-m "faults or swarm_bench"` selects them.
-OPT_IN_MARKERS = ("faults", "local_mode", "swarm_bench", "docker")
+OPT_IN_MARKERS = ("faults", "local_mode", "swarm_bench", "docker", "home_net")
 _OPT_IN_LEFT_OUT = pytest.StashKey[dict]()  # marker -> how many tests it left out of this run
 
 

@@ -72,7 +72,7 @@ NOTABLE = {
     "routing_not_found": re.compile(r"routing: not found"),
     "beyond_consensus": re.compile(r"beyond the swarm's consensus"),
     "shape_invalid": re.compile(r"shape '\[[\d, ]+\]' is invalid"),
-    "client_mode_line": re.compile(r"(?i)(not reachable|unreachable)[^\n]*client"),
+    "cannot_be_dialled": re.compile(r"cannot be dialled by other peers"),
 }
 
 
@@ -352,9 +352,12 @@ class HomeSwarm:
         samples = sum(int(e["samples"]) for e in done if began <= float(e["time"]) <= ended + 60)
         message = NO_REACHABLE_RE.search(log)
         message_at = _line_time(log, message.start()) if message else None
+        dht = events.last("dht_started")
+        up_at = float(dht["time"]) if dht else peer.started
         summary = {
             "role": peer.role,
             "exit_code": peer.process.poll(),
+            "reachability": self._reachability(events.last("reachability")),
             "join_epoch": int(joined["epoch"]) if joined else None,
             "joined_after_s": round(float(joined["time"]) - peer.started, 1) if joined else None,
             "epochs_done": len(done),
@@ -369,12 +372,21 @@ class HomeSwarm:
             "samples": samples,
             "samples_per_second": round(samples / max(1.0, ended - began), 2),
             "no_reachable_message": message.group(0)[:200] if message else None,
-            "message_after_s": round(message_at - peer.started, 1) if message_at else None,
+            # from the moment it is on the network (its DHT started): importing torch on a loaded machine comes first
+            "message_after_s": round(message_at - up_at, 1) if message_at else None,
+            "message_after_launch_s": round(message_at - peer.started, 1) if message_at else None,
             "steps_after_message": sum(1 for t in step_times if message_at and t > message_at + 1.0),
             "steps_last_30s": sum(1 for t in step_times if t > ended - 30),
             "notable": self._notable(peer),
         }
         return summary
+
+    @staticmethod
+    def _reachability(event: Optional[dict]) -> Optional[str]:
+        """What the peer decided at start (its ``reachability`` event): "full peer" or "client", and why."""
+        if event is None:
+            return None
+        return f"{'client' if event.get('client_mode') else 'full peer'} ({event.get('source')}: {event.get('reason')})"
 
     @staticmethod
     def _rounds_after_join(result: dict) -> None:
@@ -432,7 +444,7 @@ def checks(result: dict, baseline: Optional[dict] = None) -> Dict[str, bool]:
     if key == "c":
         for name, count in (result.get("dnat_packets") or {}).items():
             out[f"{name} was dialled through its forwarded port (a full peer)"] = count > 0
-            out[f"{name} did not become a client"] = not peers[name]["notable"]["client_mode_line"]
+            out[f"{name} runs as a full peer"] = (peers[name]["reachability"] or "").startswith("full peer")
     if key == "d":
         for name, p in volunteers.items():
             out[f"{name} said 'no reachable peer' within {MESSAGE_BOUND:.0f} s"] = (
@@ -487,16 +499,62 @@ def table_rows(results: Dict[str, dict]) -> List[list]:
     return rows
 
 
-def write_results(path: Path, result: dict, command: str) -> dict:
-    """Replace this scenario's entry of the JSON at ``path`` (keeping the others) and rebuild its table."""
+MATRIX_COLUMNS = [
+    {"name": "scenario"},
+    {"name": "NAT'd volunteers: rounds taken part in"},
+    {"name": "public trainer: epochs gone through"},
+    {"name": "'no reachable peer' after"},
+    {"name": "through the aux, MB in/out"},
+    {"name": "acceptance"},
+]
+
+
+def matrix_rows(results: Dict[str, dict]) -> List[list]:
+    """One row per scenario: the fault matrix's rows for issue 27."""
+    rows = []
+    for key in [k for k in SCENARIOS if k in results]:
+        result = results[key]
+        peers = result["peers"].values()
+        nat = [f"{p['rounds_ok']} of {p['swarm_rounds_after_join']}" for p in peers if p["role"] == "volunteer"]
+        nat += [
+            f"{p['rounds_ok']} of {p['swarm_rounds_after_join']} (forwarded)" for p in peers if p["role"] == "forwarded"
+        ]
+        public = [f"{p['epochs_done']} of {p['swarm_rounds_after_join']}" for p in peers if p["role"] == "public"]
+        said = [p["message_after_s"] for p in peers if p["role"] == "volunteer"]
+        message = "never" if not said or any(t is None for t in said) else f"{max(said):.0f} s"
+        aux = result.get("aux") or {}
+        verdict = result.get("checks") or {}
+        failed = [name for name, ok in verdict.items() if not ok]
+        rows.append(
+            [
+                f"{key}. {result['title']}",
+                ", ".join(nat) or "—",
+                ", ".join(public) or "—",
+                message if said else "—",
+                f"{aux.get('bytes_in', 0) / 1e6:.1f} / {aux.get('bytes_out', 0) / 1e6:.1f}",
+                "pass" if verdict and not failed else ("fail: " + "; ".join(failed) if failed else "—"),
+            ]
+        )
+    return rows
+
+
+def write_results(path: Path, result: Optional[dict] = None, command: str = "") -> dict:
+    """Replace this scenario's entry of the JSON at ``path`` (keeping the others) and rebuild its tables; with no
+    result, only rebuild the tables."""
     data = json.loads(path.read_text()) if path.exists() else {}
     scenarios = data.get("scenarios", {})
-    scenarios[result["scenario"]] = result
+    if result is not None:
+        result["command"] = command
+        scenarios[result["scenario"]] = result
+    commands = sorted({s.get("command", "") for s in scenarios.values()} - {""})
     data = {
-        "command": command,
-        "date": datetime.date.today().isoformat(),
+        "command": "; ".join(commands),
+        "date": max((s.get("date", "") for s in scenarios.values()), default=datetime.date.today().isoformat()),
         "machine": "2 CPU cores shared, network namespaces, tbf home lines",
-        "tables": {"main": {"columns": COLUMNS, "rows": table_rows(scenarios)}},
+        "tables": {
+            "main": {"columns": COLUMNS, "rows": table_rows(scenarios)},
+            "matrix": {"columns": MATRIX_COLUMNS, "rows": matrix_rows(scenarios)},
+        },
         "scenarios": scenarios,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -531,10 +589,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (each scenario's entry replaced)")
     parser.add_argument("--folder", type=Path, default=None, help="keep the peers' logs here (default: a temp dir)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument("--rebuild", action="store_true", help="only rebuild the tables of --out from its scenarios")
     args = parser.parse_args(argv)
     if args.list:
         for s in SCENARIOS.values():
             print(f"{s.key:9s} {s.title}")
+        return 0
+    if args.rebuild:
+        write_results(args.out)
         return 0
     if not args.duration > 0:
         parser.error(f"--duration must be positive seconds, got {args.duration}")
@@ -543,7 +605,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"cannot build the home network here: {reason}", file=sys.stderr)
         return 2
     link = HomeLink(args.up_mbit, args.down_mbit)
-    command = "sudo .venv/bin/python -m benchmarks.testbed.home_swarm " + " ".join(argv or sys.argv[1:])
+    command = f"sudo .venv/bin/python -m benchmarks.testbed.home_swarm --scenario {{}} --duration {args.duration:g}"
     failed = 0
     for key in args.scenario:
         folder = args.folder / key if args.folder else Path(tempfile.mkdtemp(prefix=f"home-{key}-"))
@@ -554,7 +616,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             baseline = json.loads(args.out.read_text()).get("scenarios", {}).get("baseline")
         result = run_scenario(key, folder, args.duration, link=link, baseline=baseline)
         result["logs"] = str(folder)
-        write_results(args.out, result, command)
+        write_results(args.out, result, command.format(key))
         for name, ok in result["checks"].items():
             print(f"  {'PASS' if ok else 'FAIL'}  {name}")
             failed += not ok
