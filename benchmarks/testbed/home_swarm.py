@@ -397,7 +397,9 @@ class HomeSwarm:
             join = summary["join_epoch"]
             rounds = max(0, end - join) if join is not None else 0
             summary["swarm_rounds_after_join"] = rounds
-            summary["took_part"] = round(summary["rounds_ok"] / rounds, 3) if rounds else None
+            # a peer that never had anyone to average with (the baseline's lone trainer) has no share to show
+            alone = summary["epochs_with_others"] == 0 and summary["rounds_ok"] == 0 and summary["epochs_done"] > 0
+            summary["took_part"] = round(summary["rounds_ok"] / rounds, 3) if rounds and not alone else None
             summary["epochs_fraction"] = round(summary["epochs_done"] / rounds, 3) if rounds else None
 
     def _compare_params(self) -> dict:
@@ -461,6 +463,7 @@ COLUMNS = [
     {"name": "rounds taken part in"},
     {"name": "share", "format": ".0%"},
     {"name": "epochs", "format": "d"},
+    {"name": "local steps", "format": "d"},
     {"name": "state downloads", "format": "d"},
     {"name": "samples/s", "format": ".1f"},
     {"name": "averaging MB sent/recv"},
@@ -489,6 +492,7 @@ def table_rows(results: Dict[str, dict]) -> List[list]:
                     rounds,
                     p["took_part"],
                     p["epochs_done"],
+                    p["local_steps"],
                     p["state_downloads"],
                     p["samples_per_second"],
                     f"{p['mb_sent']:.1f} / {p['mb_received']:.1f}",
@@ -515,7 +519,13 @@ def matrix_rows(results: Dict[str, dict]) -> List[list]:
     for key in [k for k in SCENARIOS if k in results]:
         result = results[key]
         peers = result["peers"].values()
-        nat = [f"{p['rounds_ok']} of {p['swarm_rounds_after_join']}" for p in peers if p["role"] == "volunteer"]
+        nat = [
+            f"{p['rounds_ok']} of {p['swarm_rounds_after_join']}"
+            if p["epochs_done"]
+            else f"no epoch in {p['local_steps']} local steps"
+            for p in peers
+            if p["role"] == "volunteer"
+        ]
         nat += [
             f"{p['rounds_ok']} of {p['swarm_rounds_after_join']} (forwarded)" for p in peers if p["role"] == "forwarded"
         ]
