@@ -25,7 +25,8 @@ lines) against the swarm's rounds after it joined, global epochs it went through
 steps and samples/s, bytes it sent and received in averaging, and the lines that matter ("no reachable peer in this
 swarm", "could not find a group", state downloads that failed). The aux host's interface counters give the bytes
 through the aux peer. Results go to ``--out`` (benchmarks/measured/home_net.json by default: the scenario's entry is
-replaced, the others kept) with the table ``python -m benchmarks.docs`` puts into docs/benchmarks.md.
+replaced, the others kept; each scenario's full result in benchmarks/measured/home_net/<scenario>.json) with the
+tables ``python -m benchmarks.docs`` puts into docs/benchmarks.md.
 
 Needs root, iproute2 and iptables (``bash scripts/setup_env.sh --test`` installs them).
 """
@@ -548,28 +549,40 @@ def matrix_rows(results: Dict[str, dict]) -> List[list]:
     return rows
 
 
+def details_folder(path: Path) -> Path:
+    """Where each scenario's full result lives (``home_net/<scenario>.json`` next to the tables' ``home_net.json``:
+    benchmarks.docs reads only the tables, from the JSON files directly in benchmarks/measured)."""
+    return path.parent / path.stem
+
+
 def write_results(path: Path, result: Optional[dict] = None, command: str = "") -> dict:
-    """Replace this scenario's entry of the JSON at ``path`` (keeping the others) and rebuild its tables; with no
-    result, only rebuild the tables."""
-    data = json.loads(path.read_text()) if path.exists() else {}
-    scenarios = data.get("scenarios", {})
+    """Store this scenario's full result (replacing its previous one) and rebuild the tables of ``path`` from every
+    scenario stored; with no result, only rebuild the tables."""
+    from benchmarks import docs
+
+    folder = details_folder(path)
+    folder.mkdir(parents=True, exist_ok=True)
     if result is not None:
         result["command"] = command
-        scenarios[result["scenario"]] = result
-    commands = sorted({s.get("command", "") for s in scenarios.values()} - {""})
-    data = {
-        "command": "; ".join(commands),
+        (folder / f"{result['scenario']}.json").write_text(json.dumps(result, indent=1) + "\n")
+    scenarios = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json")) if p.stem in SCENARIOS}
+    commands = [scenarios[k].get("command", "") for k in SCENARIOS if k in scenarios]
+
+    def table(columns: list, rows: list) -> dict:
+        # stored as benchmarks.docs reads it back from its markdown, so the page and the JSON cannot drift
+        return docs.parse_markdown_tables(docs.table_markdown({"columns": columns, "rows": rows}))[0]
+
+    run = {
+        "command": "; ".join(c for c in commands if c),
         "date": max((s.get("date", "") for s in scenarios.values()), default=datetime.date.today().isoformat()),
-        "machine": "2 CPU cores shared, network namespaces, tbf home lines",
+        "machine": "2 CPU cores shared with other jobs, network namespaces, tbf home lines",
         "tables": {
-            "main": {"columns": COLUMNS, "rows": table_rows(scenarios)},
-            "matrix": {"columns": MATRIX_COLUMNS, "rows": matrix_rows(scenarios)},
+            "matrix": table(MATRIX_COLUMNS, matrix_rows(scenarios)),
+            "main": table(COLUMNS, table_rows(scenarios)),
         },
-        "scenarios": scenarios,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    return data
+    path.write_text(docs.run_json(run), encoding="utf-8")
+    return run
 
 
 def run_scenario(
@@ -622,8 +635,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if folder.exists() and args.folder:
             shutil.rmtree(folder)
         baseline = None
-        if key == "b" and args.out.exists():
-            baseline = json.loads(args.out.read_text()).get("scenarios", {}).get("baseline")
+        stored = details_folder(args.out) / "baseline.json"
+        if key == "b" and stored.exists():
+            baseline = json.loads(stored.read_text())
         result = run_scenario(key, folder, args.duration, link=link, baseline=baseline)
         result["logs"] = str(folder)
         write_results(args.out, result, command.format(key))
