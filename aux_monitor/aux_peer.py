@@ -159,6 +159,7 @@ class AuxPeer:
             validation=validation,
             sampler=sampler,
             assist=assist,
+            public_key=swarm.public_key,
         )
         if aux.resume:
             monitor.resume()

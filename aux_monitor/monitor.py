@@ -13,6 +13,7 @@ import time
 from typing import Optional, Sequence
 
 import hivemind
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
 
 from aux_monitor.aggregation import MetricsAggregator
@@ -24,12 +25,14 @@ from aux_monitor.replica import SwarmReplica
 from aux_monitor.sampler import CheckpointSampler
 from aux_monitor.state import StateHolder
 from peer.swarm import events
+from peer.swarm.keys import progress_key
 from peer.swarm.records import fetch_metrics, read_progress
 
 logger = logging.getLogger(__name__)
 
 ASSIST_MODES = ("always", "auto", "never")
 CLIENT_PROGRESS_WINDOW = 60.0  # seconds: a client-mode trainer's progress record is refreshed more often
+ANCHOR_PROGRESS_EXPIRATION = 60.0  # hivemind's progress records live as long; an anchoring aux renews it each refresh
 
 
 def is_due(epoch: int, last_done: Optional[int], every: int) -> bool:
@@ -53,6 +56,7 @@ class AuxMonitor:
         validation: Optional[Sequence[dict]] = None,
         sampler: Optional[CheckpointSampler] = None,
         assist: Optional[str] = None,
+        public_key: Optional[bytes] = None,
     ):
         self.dht, self.run_id, self.args, self.holder = dht, run_id, args, holder
         # always / auto (while client-mode trainers are online) / never; from --assist_in_averaging by default
@@ -61,6 +65,7 @@ class AuxMonitor:
             raise ValueError(f"assist must be one of {', '.join(ASSIST_MODES)}, got {self.assist!r}")
         self.clients_online = threading.Event()  # client-mode trainers reported progress recently
         self.anchoring = False  # only client trainers are online: this aux's own state is the swarm's
+        self.public_key = public_key  # the subkey of this aux's signed records (its progress record when anchoring)
         self.replica, self.checkpoints, self.uploader, self.validation = replica, checkpoints, uploader, validation
         self.sampler = sampler
         self.aggregator = MetricsAggregator(alive_window=args.alive_window)
@@ -176,6 +181,30 @@ class AuxMonitor:
         self.anchoring = anchoring
         if anchoring:
             self.replica.anchor()
+            self._report_progress()
+
+    def _report_progress(self) -> None:
+        """An anchoring aux's progress record: the epoch of the state it serves. Client trainers take their epoch
+        consensus from serving peers' records, and hivemind never publishes one for an auxiliary peer (it reports
+        only after accumulating samples)."""
+        if self.public_key is None:
+            return
+        now = get_dht_time()
+        record = LocalTrainingProgress(
+            peer_id=self.dht.peer_id.to_bytes(),
+            epoch=self.replica.optimizer.local_epoch,
+            samples_accumulated=0,
+            samples_per_second=0.0,
+            time=now,
+            client_mode=False,
+        )
+        self.dht.store(
+            progress_key(self.run_id),
+            record.dict(),
+            expiration_time=now + ANCHOR_PROGRESS_EXPIRATION,
+            subkey=self.public_key,
+            return_future=True,
+        )
 
     def should_assist(self) -> bool:
         if self.assist == "never" or not self.trainers_online.is_set():
@@ -268,7 +297,7 @@ class AuxMonitor:
                 continue
             try:
                 self.replica.assist_step()
-                if self.anchoring:
-                    self.replica.anchor()  # the step moved its epoch: it serves the new one
+                if self.anchoring and self.replica.anchor():  # the step moved its epoch: it serves the new one
+                    self._report_progress()
             except Exception:
                 logger.exception("Assisting in averaging failed; trying again")

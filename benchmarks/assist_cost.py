@@ -74,9 +74,14 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=150.0)
     parser.add_argument("--json", help="also write the result here")
+    parser.add_argument("--folder", help="keep the peers' logs here (default: a temporary folder, removed)")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="assist_cost_") as folder:
-        result = measure(args.clients, args.seconds, Path(folder))
+    if args.folder:
+        Path(args.folder).mkdir(parents=True, exist_ok=True)
+        result = measure(args.clients, args.seconds, Path(args.folder))
+    else:
+        with tempfile.TemporaryDirectory(prefix="assist_cost_") as folder:
+            result = measure(args.clients, args.seconds, Path(folder))
     print(f"aux assisting {result['clients']} client-mode trainers, tiny preset, {result['seconds']} s on 127.0.0.1")
     print(f"{'client':<24} {'KB/s via aux':>12} {'KB/round':>9} {'rounds ok/joined':>17}")
     for row in result["rows"]:

@@ -83,7 +83,7 @@ async def send(caller: P2P, peer_id, size: int, timeout: float) -> dict:
 async def measure(sizes, circuit_timeout: float, timeout: float) -> dict:
     # go-libp2p runs the relay service only while AutoNAT deems the host public: forced, as on a public server
     relay = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], force_reachability="public")
-    relay_maddrs = [f"{m}/p2p/{relay.peer_id}" for m in await relay.get_visible_maddrs()]
+    relay_maddrs = [str(m) for m in await relay.get_visible_maddrs()]  # each ends with /p2p/<relay id>
     home = await P2P.create(
         initial_peers=relay_maddrs,
         no_listen=True,
