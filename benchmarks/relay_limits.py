@@ -8,7 +8,9 @@ and reads back how many bytes H received; a reset stream is reported as such.
 
     python -m benchmarks.relay_limits [--sizes 16 65536 131072 1048576 8388608] [--json out.json]
 
-It prints one row per payload: sent, received by H, seconds, outcome. See docs/joining.md ("Behind a NAT").
+It prints one row per payload: sent, received by H, seconds, outcome. See docs/joining.md ("Behind a NAT"). On
+127.0.0.1 go-libp2p granted H no reservation within 420 s (R had only loopback addresses): run it where R has a
+routable address, e.g. inside the namespace test-bed.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ flushed as it happens. The events and their fields:
 - ``reducer_missing`` / ``reducer_found`` (client-mode trainer: no reachable trainer or assisting aux is online, it
   pauses / one appeared): ``after_seconds`` (found only)
 - ``assisting`` (aux peer, --assist_in_averaging default): ``clients`` (client-mode trainers online; 0: it stopped)
+- ``anchoring`` (aux peer): ``on`` (true while only client-mode trainers are online and it holds the swarm's state)
 - ``max_epochs_reached`` (trainer): ``epoch``
 - ``exiting``: ``code``
 
