@@ -54,6 +54,9 @@ class AuxArguments:
     """The fixed prompt each checkpoint continues, so the samples show the model learning."""
     sample_seconds: float = 20.0
     """Generation of one sample stops after this many seconds, however many tokens it has."""
+    init_seed: int = 0
+    """Seed of the initial parameters, the trainers' (their run preset's init_seed): a swarm of client-mode trainers
+    starts from this aux peer's state, which must then be theirs."""
     upload_to_hub: Optional[str] = None
     """Hugging Face Hub model repo (user/name) to upload each new checkpoint to; needs HF_TOKEN or a login."""
 

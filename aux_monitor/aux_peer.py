@@ -12,6 +12,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+import torch
 from hivemind.utils import get_dht_time
 
 from aux_monitor.aggregation import SwarmSnapshot
@@ -48,9 +49,12 @@ class AuxConfig:
     events: EventArguments = field(default_factory=EventArguments)
 
 
-def build_swarm_model(model_config: str) -> LeanGPTForCausalLM:
-    """The model the trainers train, on the CPU; its initial values are replaced by the swarm's state."""
-    model = LeanGPTForCausalLM(load_config(model_config))
+def build_swarm_model(model_config: str, init_seed: int = 0) -> LeanGPTForCausalLM:
+    """The model the trainers train, on the CPU, drawn as theirs are (peer.model_setup.build_model); its values are
+    replaced by the swarm's state, except in a swarm of client-mode trainers that starts from it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed)
+        model = LeanGPTForCausalLM(load_config(model_config))
     model.train()
     logger.info(
         "Model %s: %.2fM parameters (CPU copy of the swarm's state)",
@@ -93,7 +97,7 @@ class AuxPeer:
                 "reachable)"
             )
         parts.callback(logger.info, "Aux peer shut down")
-        model = build_swarm_model(aux.model_config)  # before joining: a bad config fails fast
+        model = build_swarm_model(aux.model_config, aux.init_seed)  # before joining: a bad config fails fast
         validation = build_validation_set(config.data, model.config.vocab_size) if aux.eval_every else None
         checkpoints = (
             CheckpointManager(aux.checkpoint_dir, keep=aux.keep_checkpoints, model_class=type(model))
@@ -155,6 +159,7 @@ class AuxPeer:
             validation=validation,
             sampler=sampler,
             assist=assist,
+            public_key=swarm.public_key,
         )
         if aux.resume:
             monitor.resume()

@@ -13,6 +13,7 @@ import time
 from typing import Optional, Sequence
 
 import hivemind
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
 
 from aux_monitor.aggregation import MetricsAggregator
@@ -24,12 +25,14 @@ from aux_monitor.replica import SwarmReplica
 from aux_monitor.sampler import CheckpointSampler
 from aux_monitor.state import StateHolder
 from peer.swarm import events
+from peer.swarm.keys import progress_key
 from peer.swarm.records import fetch_metrics, read_progress
 
 logger = logging.getLogger(__name__)
 
 ASSIST_MODES = ("always", "auto", "never")
 CLIENT_PROGRESS_WINDOW = 60.0  # seconds: a client-mode trainer's progress record is refreshed more often
+ANCHOR_PROGRESS_EXPIRATION = 60.0  # hivemind's progress records live as long; an anchoring aux renews it each refresh
 
 
 def is_due(epoch: int, last_done: Optional[int], every: int) -> bool:
@@ -53,6 +56,7 @@ class AuxMonitor:
         validation: Optional[Sequence[dict]] = None,
         sampler: Optional[CheckpointSampler] = None,
         assist: Optional[str] = None,
+        public_key: Optional[bytes] = None,
     ):
         self.dht, self.run_id, self.args, self.holder = dht, run_id, args, holder
         # always / auto (while client-mode trainers are online) / never; from --assist_in_averaging by default
@@ -60,6 +64,8 @@ class AuxMonitor:
         if self.assist not in ASSIST_MODES:
             raise ValueError(f"assist must be one of {', '.join(ASSIST_MODES)}, got {self.assist!r}")
         self.clients_online = threading.Event()  # client-mode trainers reported progress recently
+        self.anchoring = False  # only client trainers are online: this aux's own state is the swarm's
+        self.public_key = public_key  # the subkey of this aux's signed records (its progress record when anchoring)
         self.replica, self.checkpoints, self.uploader, self.validation = replica, checkpoints, uploader, validation
         self.sampler = sampler
         self.aggregator = MetricsAggregator(alive_window=args.alive_window)
@@ -110,8 +116,8 @@ class AuxMonitor:
                 snapshot.samples_per_second,
             )
 
-        if self.assist == "auto":
-            self._watch_clients()
+        if self.assist != "never":
+            self._watch_trainers()
         if snapshot.alive_peers > 0:
             self.trainers_online.set()
             self._serving_checkpoint = False
@@ -129,7 +135,8 @@ class AuxMonitor:
         with self.replica.exclusive():  # no assist step touches the state between its download and its use
             held = self.replica.held_epoch
             # assisting peers' parameters are touched by averaging rounds: only a fresh download is the swarm's
-            if held is None or held < epoch or self.assist != "never":
+            # (an anchoring aux holds the swarm's state itself: nobody else could send it)
+            if not self.anchoring and (held is None or held < epoch or self.assist != "never"):
                 held = self.replica.download()
                 if held is None:
                     logger.warning(
@@ -144,14 +151,16 @@ class AuxMonitor:
             if want_checkpoint and is_due(held, self.last_checkpoint_epoch, self.args.checkpoint_every):
                 self._checkpoint(loss=snapshot.loss)
 
-    def _watch_clients(self) -> None:
-        """--assist_in_averaging auto: assist while client-mode trainers report progress (they need a reducer)."""
-        now = get_dht_time()
-        clients = [
+    def _watch_trainers(self) -> None:
+        """Who needs this aux: client-mode trainers need a reducer (``--assist_in_averaging`` default: assist while
+        they are online), and a swarm of client trainers only needs a state holder too (``anchoring``)."""
+        now, own = get_dht_time(), self.dht.peer_id.to_bytes()
+        fresh = [
             r
             for r in read_progress(self.dht, self.run_id, timeout=5.0)
-            if r.client_mode and now - r.time <= CLIENT_PROGRESS_WINDOW
+            if now - r.time <= CLIENT_PROGRESS_WINDOW and r.peer_id != own
         ]
+        clients = [r for r in fresh if r.client_mode]
         if clients and not self.clients_online.is_set():
             logger.info("Assisting in averaging: %d client-mode trainer(s) online need a reachable peer", len(clients))
             events.emit("assisting", clients=len(clients))
@@ -159,6 +168,43 @@ class AuxMonitor:
             logger.info("No client-mode trainer online: no longer assisting in averaging")
             events.emit("assisting", clients=0)
         (self.clients_online.set if clients else self.clients_online.clear)()
+        anchoring = bool(clients) and not any(not r.client_mode for r in fresh)
+        if anchoring != self.anchoring:
+            if anchoring:
+                logger.info(
+                    "Only client-mode trainers are online: this aux peer holds and serves the swarm's state (epoch %d)",
+                    self.replica.optimizer.local_epoch,
+                )
+            else:
+                logger.info("A trainer that serves its state is online: this aux peer no longer holds the state")
+            events.emit("anchoring", on=anchoring)
+        self.anchoring = anchoring
+        if anchoring:
+            self.replica.anchor()
+            self._report_progress()
+
+    def _report_progress(self) -> None:
+        """An anchoring aux's progress record: the epoch of the state it serves. Client trainers take their epoch
+        consensus from serving peers' records, and hivemind never publishes one for an auxiliary peer (it reports
+        only after accumulating samples)."""
+        if self.public_key is None:
+            return
+        now = get_dht_time()
+        record = LocalTrainingProgress(
+            peer_id=self.dht.peer_id.to_bytes(),
+            epoch=self.replica.optimizer.local_epoch,
+            samples_accumulated=0,
+            samples_per_second=0.0,
+            time=now,
+            client_mode=False,
+        )
+        self.dht.store(
+            progress_key(self.run_id),
+            record.dict(),
+            expiration_time=now + ANCHOR_PROGRESS_EXPIRATION,
+            subkey=self.public_key,
+            return_future=True,
+        )
 
     def should_assist(self) -> bool:
         if self.assist == "never" or not self.trainers_online.is_set():
@@ -251,5 +297,7 @@ class AuxMonitor:
                 continue
             try:
                 self.replica.assist_step()
+                if self.anchoring and self.replica.anchor():  # the step moved its epoch: it serves the new one
+                    self._report_progress()
             except Exception:
                 logger.exception("Assisting in averaging failed; trying again")

@@ -98,6 +98,18 @@ class SwarmReplica:
             self.optimizer.step()
             self._update_sharing()  # hivemind advances our epoch label without touching our parameters
 
+    def anchor(self) -> bool:
+        """A swarm of client-mode trainers only: nobody else can serve the state, so this aux offers its own at its
+        current epoch (its parameters take part in every state averaging round it assists, so they follow the
+        swarm's) and reports that epoch as its progress, which the clients' epoch consensus needs. True if it
+        (re)adopted an epoch."""
+        with self._lock:
+            epoch = self.optimizer.local_epoch
+            if self.held_epoch == epoch:
+                return False
+            self._adopt_epoch(epoch)
+            return True
+
     def exclusive(self) -> threading.RLock:
         """Hold this while using a downloaded state: no download, restore or assist step runs meanwhile."""
         return self._lock

@@ -16,6 +16,13 @@ flushed as it happens. The events and their fields:
 - ``offering_checkpoint`` (aux peer, no trainer online): ``epoch``
 - ``swarm_lost`` (the DHT process or its p2pd daemon died; the peer then exits with status 1): ``reason``
 - ``reconnected`` (after being cut off from every peer): ``after_seconds``
+- ``reachability`` (both peers, before ``dht_started``): ``client_mode``, ``reachable``, ``source`` ("forced",
+  "first", "probe"), ``reason`` (peer.swarm.reachability)
+- ``reachability_changed`` (the network changed and a new probe ran): ``reachable``, ``reason``
+- ``reducer_missing`` / ``reducer_found`` (client-mode trainer: no reachable trainer or assisting aux is online, it
+  pauses / one appeared): ``after_seconds`` (found only)
+- ``assisting`` (aux peer, --assist_in_averaging default): ``clients`` (client-mode trainers online; 0: it stopped)
+- ``anchoring`` (aux peer): ``on`` (true while only client-mode trainers are online and it holds the swarm's state)
 - ``max_epochs_reached`` (trainer): ``epoch``
 - ``exiting``: ``code``
 

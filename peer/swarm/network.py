@@ -6,6 +6,7 @@ Trainers and auxiliary peers both use this module, so every peer validates recor
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, List, Literal, Optional, Sequence
@@ -32,6 +33,8 @@ from peer.swarm.watchdog import DHTWatchdog, start_watchdog
 __all__ = ["NetworkArguments", "NetworkSetupError", "SwarmConnection", "connect", "create_dht", "joinable_maddrs"]
 
 logger = logging.getLogger(__name__)
+
+RESTART_ATTEMPTS = 5  # tries to listen on the probed port again when a joiner restarts as a full peer
 
 
 @dataclass
@@ -266,11 +269,17 @@ def _restart_as_full_peer(
         ]
     dht.shutdown()
     restarted = replace(args, host_maddrs=host_maddrs)
-    try:
-        return create_dht(restarted, validators, client_mode=False, check_if_identity_free=False)
-    except NetworkSetupError:
-        logger.warning("Could not listen on %s again; listening on %s", host_maddrs, args.host_maddrs)
-        return create_dht(args, validators, client_mode=False, check_if_identity_free=False)
+    for attempt in range(RESTART_ATTEMPTS):  # the old daemon may hold the port for a moment after its shutdown
+        try:
+            return create_dht(restarted, validators, client_mode=False, check_if_identity_free=False)
+        except NetworkSetupError as e:
+            if attempt == RESTART_ATTEMPTS - 1:
+                if host_maddrs == list(args.host_maddrs):
+                    raise
+                logger.warning("Could not listen on %s again (%s); listening on %s", host_maddrs, e, args.host_maddrs)
+            else:
+                time.sleep(1.0)
+    return create_dht(args, validators, client_mode=False, check_if_identity_free=False)
 
 
 def joinable_maddrs(dht: hivemind.DHT) -> List[str]:

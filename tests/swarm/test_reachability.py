@@ -121,6 +121,10 @@ def test_a_joiner_probes_and_becomes_a_full_peer_or_a_client(tmp_path):
         assert reachable.reachability.source == "probe" and reachable.reachability.reachable
         assert not reachable.client_mode and not reachable.dht.client_mode
 
+        fixed_port = closed_port()  # a forwarded port is fixed: the full peer listens on it again after its restart
+        fixed = join(host_maddrs=[f"/ip4/127.0.0.1/tcp/{fixed_port}"])
+        assert not fixed.client_mode and all(f"/tcp/{fixed_port}/" in m for m in maddrs_of(fixed.dht))
+
         port = closed_port()
         hidden = join(host_maddrs=LOOPBACK, announce_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"])
         assert hidden.client_mode and hidden.dht.client_mode and not hidden.reachability.reachable

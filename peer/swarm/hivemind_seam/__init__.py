@@ -92,7 +92,8 @@ Reachability (``reachability``; ``USED_METHODS`` there pins the P2P calls)
   ``P2P.add_binary_stream_handler`` (run in the DHT process through ``DHT.run_coroutine``; reads ``DHTNode.p2p``):
   the server opens a fresh TCP connection to the requester's announced addresses (its observed IP only, bounded
   per peer and minute) and answers whether a libp2p listener replied. ``own_dialable_maddrs`` drops
-  ``/p2p-circuit`` addresses, ``relayed`` tells them apart (a relay-v2 circuit carries 128 KiB by default).
+  ``/p2p-circuit`` addresses, ``relayed`` tells them apart. ``connect_to`` dials given addresses through the
+  private ``P2P._client`` (the relay measurement, benchmarks/relay_limits.py).
 
 Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
 - ``__init__``: sets its own state (consensus, claims, refutations) before hivemind's, which starts the thread.
@@ -310,4 +311,7 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.averaging.allreduce", "AllReduceRunner", "weight"),
     # patched by the tests' fault entry point (a peer that sends parts of the wrong shape)
     ("hivemind.averaging.allreduce", "AllReduceRunner", "_generate_input_for_peer"),
+    # reachability: the dial-back probe runs on the DHT's p2pd; connect_to dials an address through the daemon client
+    ("hivemind.dht.node", "DHTNode", "p2p"),
+    ("hivemind.p2p.p2p_daemon", "P2P", "_client"),
 ]

@@ -243,7 +243,10 @@ class DialBackAnswer:
 
 async def own_dialable_maddrs(_dht, node) -> List[str]:
     """This peer's announced addresses that could be dialled directly (never a relayed ``/p2p-circuit`` one)."""
-    maddrs = await node.p2p.get_visible_maddrs(latest=True)
+    try:
+        maddrs = await node.p2p.get_visible_maddrs(latest=True)
+    except ValueError:  # hivemind raises when the daemon listens on no address: nothing to dial
+        return []
     return [str(m) for m in maddrs if "p2p-circuit" not in str(m)][:16]
 
 
@@ -285,6 +288,12 @@ class DialBackRequest:
             refused=str(refused)[:200] if refused is not None else None,
             dialled=str(dialled)[:100] if dialled is not None else None,
         )
+
+
+async def connect_to(p2p: P2P, peer_id: PeerID, maddrs: Sequence[str]) -> None:
+    """Open a libp2p connection to ``peer_id`` at ``maddrs`` (hivemind's P2P has no public call for it; reads its
+    private ``_client``). Used by the relay measurement (benchmarks/relay_limits.py) to dial a /p2p-circuit address."""
+    await p2p._client.connect(peer_id, [Multiaddr(m) for m in maddrs])
 
 
 def relayed(maddr: str) -> bool:
