@@ -96,6 +96,12 @@ SCENARIOS: Dict[str, Scenario] = {
         Scenario("a", "public aux + 2 NAT'd volunteers, README join command"),
         Scenario("b", "(a) + a public trainer", public_trainers=1),
         Scenario("baseline", "aux + the public trainer, no NAT'd peer (b's base)", public_trainers=1, volunteers=0),
+        Scenario(
+            "pair",
+            "aux + two public trainers, no NAT (reference for the parameter check)",
+            public_trainers=2,
+            volunteers=0,
+        ),
         Scenario("c", "aux + a volunteer with a forwarded port and --announce_maddrs + a NAT'd one", forwarded=1),
         Scenario(
             "d",
@@ -432,7 +438,7 @@ def checks(result: dict, baseline: Optional[dict] = None) -> Dict[str, bool]:
     key, peers = result["scenario"], result["peers"]
     volunteers = {n: p for n, p in peers.items() if p["role"] in ("volunteer", "forwarded")}
     out: Dict[str, bool] = {}
-    if key in ("a", "b", "c"):
+    if key in ("a", "b", "c", "pair"):
         for name, p in volunteers.items():
             out[f"{name} took part in >= 90% of the rounds after it joined"] = (p["took_part"] or 0) >= 0.9
         params = result.get("params") or {}
