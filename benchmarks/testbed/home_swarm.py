@@ -113,6 +113,14 @@ SCENARIOS: Dict[str, Scenario] = {
 }
 
 
+def _code_version() -> str:
+    """The commit the peers ran (``git describe``), so results from before and after a peer-side change differ."""
+    import subprocess
+
+    found = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
+    return found.stdout.strip() or "unknown"
+
+
 def tolerance() -> float:
     """The parameter agreement sync mode meets with the tiny preset's compression (peer.swarm.agreement)."""
     from peer.swarm.agreement import tolerance_for
@@ -209,6 +217,7 @@ class HomeSwarm:
             "link": self.link.describe(),
             "duration_s": self.duration,
             "date": datetime.date.today().isoformat(),
+            "code": _code_version(),
             "peers": {},
         }
         with HomeNetwork(public=1 + s.public_trainers, homes=s.volunteers, link=self.link) as net:
@@ -517,6 +526,7 @@ MATRIX_COLUMNS = [
     {"name": "'no reachable peer' after"},
     {"name": "through the aux, MB in/out"},
     {"name": "acceptance"},
+    {"name": "peers' code"},
 ]
 
 
@@ -550,6 +560,7 @@ def matrix_rows(results: Dict[str, dict]) -> List[list]:
                 message if said else "—",
                 f"{aux.get('bytes_in', 0) / 1e6:.1f} / {aux.get('bytes_out', 0) / 1e6:.1f}",
                 "pass" if verdict and not failed else ("fail: " + "; ".join(failed) if failed else "—"),
+                result.get("code", "—"),
             ]
         )
     return rows
