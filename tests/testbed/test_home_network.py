@@ -1,7 +1,7 @@
 """Issue 27's home-network scenarios with real peers: volunteers behind NAT'd home routers (10 Mbit/s up, 50 down)
 join with the README's command and no NAT flag (benchmarks/testbed/home_swarm.py).
 
-Opt-in: ``python -m pytest -m home_net`` (about 15 minutes on a 2-core machine; needs root, iproute2 and iptables,
+Opt-in: ``python -m pytest -m home_net`` (about 20 minutes on a 2-core machine; needs root, iproute2 and iptables,
 which ``bash scripts/setup_env.sh --test`` installs). ``python -m benchmarks.testbed.home_swarm --scenario ...`` runs
 the same scenarios and writes the measured table (benchmarks/measured/home_net.json, docs/benchmarks.md). The
 testbed's own plumbing (NAT, port forward, line rates) is checked by test_home_plumbing.py in the default run.
