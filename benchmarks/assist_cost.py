@@ -32,11 +32,11 @@ def client_health(url: str) -> dict:
     return health
 
 
-def measure(clients: int, seconds: float, folder: Path) -> dict:
+def measure(clients: int, seconds: float, folder: Path, aux_args=()) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with swarm_processes() as procs:
-        aux = start_aux("aux", folder, port, "--alive_window", 30)
+        aux = start_aux("aux", folder, port, "--alive_window", 30, *aux_args)
         procs.append(aux)
         addrs = aux.initial_peers(timeout=120)
         for index in range(clients):
@@ -66,7 +66,7 @@ def measure(clients: int, seconds: float, folder: Path) -> dict:
                 "rounds_joined": joined,
             }
         )
-    return {"clients": clients, "seconds": round(elapsed, 1), "rows": rows}
+    return {"clients": clients, "seconds": round(elapsed, 1), "aux_args": [str(a) for a in aux_args], "rows": rows}
 
 
 def main(argv=None) -> int:
@@ -75,14 +75,19 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=150.0)
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--folder", help="keep the peers' logs here (default: a temporary folder, removed)")
+    parser.add_argument("--assist_refresh", type=float, help="the aux's --assist_refresh (default: its own)")
     args = parser.parse_args(argv)
+    aux_args = ["--assist_refresh", args.assist_refresh] if args.assist_refresh is not None else []
     if args.folder:
         Path(args.folder).mkdir(parents=True, exist_ok=True)
-        result = measure(args.clients, args.seconds, Path(args.folder))
+        result = measure(args.clients, args.seconds, Path(args.folder), aux_args)
     else:
         with tempfile.TemporaryDirectory(prefix="assist_cost_") as folder:
-            result = measure(args.clients, args.seconds, Path(folder))
-    print(f"aux assisting {result['clients']} client-mode trainers, tiny preset, {result['seconds']} s on 127.0.0.1")
+            result = measure(args.clients, args.seconds, Path(folder), aux_args)
+    print(
+        f"aux assisting {result['clients']} client-mode trainers, tiny preset, {result['seconds']} s on 127.0.0.1 "
+        f"{' '.join(result['aux_args'])}"
+    )
     print(f"{'client':<24} {'KB/s via aux':>12} {'KB/round':>9} {'rounds ok/joined':>17}")
     for row in result["rows"]:
         per_round = "-" if row["bytes_per_round"] is None else f"{row['bytes_per_round'] / 1e3:.0f}"

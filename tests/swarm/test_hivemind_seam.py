@@ -15,7 +15,6 @@ import pytest
 
 from peer.swarm import hivemind_seam
 from peer.swarm.hivemind_seam import averaging, dht, progress
-from peer.swarm.hivemind_seam import reachability as reachability_seam
 
 pytestmark = pytest.mark.deps  # scripts/test.sh --newest/--oldest run these
 
@@ -219,6 +218,8 @@ def test_round_outcome_says_how_a_round_ended():
 
 
 # ------------------------------------------------------------------------------- reachability (dial-back probe)
+
+from peer.swarm.hivemind_seam import reachability as reachability_seam  # noqa: E402 - this block's own import
 
 
 @pytest.mark.parametrize(
