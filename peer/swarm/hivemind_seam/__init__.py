@@ -304,3 +304,21 @@ PRIVATE_ATTRIBUTES = [
     # patched by the tests' fault entry point (a peer that sends parts of the wrong shape)
     ("hivemind.averaging.allreduce", "AllReduceRunner", "_generate_input_for_peer"),
 ]
+
+# --outer_compression sparse (``sparse_wire``; its docstring says what and why). Its own block, appended: its
+# ``_run_allreduce_inplace_`` is pinned above with the other averagers'; it relies on the averager's
+# ``rpc_aggregate_part`` handing each stream to the running group's runner.
+from peer.swarm.hivemind_seam.sparse_wire import SparseAllGather, SparsePseudoGradientAverager  # noqa: E402
+
+__all__ += ["SparseAllGather", "SparsePseudoGradientAverager"]
+OVERRIDDEN_METHODS += [
+    (
+        _DA,
+        "rpc_aggregate_part",
+        "(self, stream: 'AsyncIterator[averaging_pb2.AveragingData]', context: 'P2PContext') -> "
+        "'AsyncIterator[averaging_pb2.AveragingData]'",
+    ),
+]
+PRIVATE_ATTRIBUTES += [
+    ("hivemind.averaging.averager", "DecentralizedAverager", "next_chunk_timeout"),
+]
