@@ -112,9 +112,10 @@ def test_a_rogue_process_sending_malformed_payloads_is_refused(caplog):
 # ------------------------------------------------------------------------------------------- two optimizers
 
 
-def _two_peer_rounds(collab, rounds: int = 2):
+def _two_peer_rounds(collab, rounds: int = 2, after=None):
     """Two real optimizers (own DHTs and averager processes), ``rounds`` rounds of one local step each; the model
-    parameters of both peers after each round."""
+    parameters of both peers after each round, their error-feedback buffers; ``after(peers)`` runs before they
+    shut down."""
     import threading
     import time
 
@@ -164,7 +165,10 @@ def _two_peer_rounds(collab, rounds: int = 2):
         sparse = collab.outer_compression == "sparse"
         assert all(isinstance(opt.grad_averager, SparsePseudoGradientAverager) == sparse for _, opt, _ in peers)
         feedback = [getattr(opt.grad_averager, "feedback", None) for _, opt, _ in peers]
-        return history, [None if f is None else f.buffer.clone() for f in feedback]
+        buffers = [None if f is None else f.buffer.clone() for f in feedback]
+        if after is not None:
+            after(peers)
+        return history, buffers
     finally:
         for _, optimizer, _ in peers:
             optimizer.shutdown()
@@ -194,3 +198,45 @@ def test_density_one_and_32_bits_take_exactly_the_outer_steps_of_dense_local_mod
                 assert torch.equal(a.double(), b.double())
         assert all(torch.equal(a, b) for a, b in zip(*round_sparse)), "both peers hold the same parameters"
     assert all(not buffer.any() for buffer in buffers), "nothing was left out, nothing is owed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sparse_rounds_at_the_defaults_keep_peers_equal_and_the_buffer_in_backups(tmp_path):
+    """The default settings (2 % density, 2 bits): both peers apply the same average, owe something afterwards; a
+    backup keeps the buffer and restores it; a state download resets it (the module docstring of sparse_wire)."""
+    from peer.backup import load_backup, save_backup
+    from peer.swarm.config import CollaborationArguments
+
+    collab = CollaborationArguments(
+        sync_mode="local",
+        outer_compression="sparse",
+        sparse_chunk=256,  # the toy model has ~1000 parameters: a few chunks of 5 values each
+        # every peer applies the same sparse average: no parameter averaging needed (its 8-bit wire format would
+        # itself set the peers' parameters apart by rounding)
+        average_state_every=1000,
+        target_batch_size=16,
+        matchmaking_time=2.0,
+        averaging_timeout=20.0,
+    )
+    seen = {}
+
+    def backup_then_download(peers):
+        (model, optimizer, _), (other_model, other, _) = peers
+        feedback = optimizer.grad_averager.feedback
+        owed = feedback.buffer.clone()
+        assert save_backup(str(tmp_path), model, optimizer) is not None
+        feedback.reset()
+        assert load_backup(str(tmp_path), model, optimizer) is not None
+        seen["restored"] = torch.equal(feedback.buffer, owed)
+        other_feedback = other.grad_averager.feedback
+        seen["owed_before_download"] = bool(other_feedback.buffer.any())
+        other.state_averager.allow_state_sharing = True
+        seen["downloaded"] = other.load_state_checked()
+        seen["reset"] = not other_feedback.buffer.any()
+
+    history, buffers = _two_peer_rounds(collab, rounds=3, after=backup_then_download)
+    for round_params in history:
+        assert all(torch.equal(a, b) for a, b in zip(*round_params)), "both peers hold the same parameters"
+    assert all(buffer.any() for buffer in buffers), "top-k left values out: they are owed"
+    assert seen == dict(restored=True, owed_before_download=True, downloaded=True, reset=True), seen
