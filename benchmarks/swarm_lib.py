@@ -90,6 +90,8 @@ the same round sizes. Every peer applies the same all-gathered average, so the s
 LOCAL_ROUNDS.update(SPARSE_ROUNDS)
 for _name in SPARSE_ROUNDS:
     MODES[_name] = ["--sync_mode", "local", "--outer_compression", "sparse", "--average_state_every", "1000000"]
+    # SparseLoCo's outer step: no momentum (the decaying error-feedback buffer takes its part), learning rate 1
+    MODES[_name] += ["--outer_momentum", "0", "--outer_learning_rate", "1"]
 
 BREAKDOWN = (
     "compute",

@@ -95,6 +95,10 @@ class CollaborationArguments:
     sparse_chunk: int = 4096
     """outer_compression sparse: values per chunk; each chunk keeps its own largest values and scale (at most
     65536, so positions fit 16 bits)."""
+    sparse_feedback_decay: float = 0.95
+    """outer_compression sparse: each round the error-feedback buffer (what earlier rounds left out) is multiplied by
+    this before it is added to the pseudo-gradient (SparseLoCo's 0.95; 1 keeps everything). SparseLoCo also runs the
+    outer step without momentum (--outer_momentum 0 --outer_learning_rate 1): the buffer plays its part."""
 
     def __post_init__(self):
         require(
@@ -156,6 +160,11 @@ class CollaborationArguments:
             self.sparse_bits in VALUE_BITS,
             f"sparse_bits must be one of {', '.join(map(str, VALUE_BITS))}, got {self.sparse_bits!r}; e.g. "
             "--sparse_bits 2",
+        )
+        require(
+            isinstance(self.sparse_feedback_decay, (int, float)) and 0.0 <= self.sparse_feedback_decay <= 1.0,
+            f"sparse_feedback_decay must be in [0, 1], got {self.sparse_feedback_decay!r}; e.g. "
+            "--sparse_feedback_decay 0.95",
         )
         require(
             isinstance(self.sparse_chunk, int) and 1 <= self.sparse_chunk <= MAX_CHUNK,

@@ -182,7 +182,11 @@ def build_optimizer(
         grad_averager_factory = partial(averager_class, policy=policy, run_id=run_id, **averager_opts)
         if sparse:
             grad_averager_factory = partial(
-                grad_averager_factory, density=collab.sparse_density, bits=collab.sparse_bits, chunk=collab.sparse_chunk
+                grad_averager_factory,
+                density=collab.sparse_density,
+                bits=collab.sparse_bits,
+                chunk=collab.sparse_chunk,
+                feedback_decay=collab.sparse_feedback_decay,
             )
         optimizer, scheduler = partial(make_outer_sgd, args=collab), None
     else:

@@ -5,7 +5,8 @@ buffer), flattened and cut into chunks of ``chunk`` values. Each chunk keeps its
 values of largest magnitude: their positions (uint16, so ``chunk`` <= 65536) and their values quantized to ``bits``
 bits on a uniform grid from -scale to +scale, where scale is the chunk's largest kept magnitude (one float32 per
 chunk; 32 bits sends the values as float32). What was not sent (``contribution - decode(payload)``) stays in the
-buffer for the next round (error feedback, as in SparseLoCo and DeMo), so nothing is lost, only delayed.
+buffer for the next round (error feedback, as in SparseLoCo and DeMo): with decay 1 nothing is lost, only delayed;
+SparseLoCo decays the buffer (0.95 per round) and drops the outer momentum, whose role the buffer takes.
 
 A payload is untrusted input: ``SparseCodec.check`` refuses it before anything is decoded unless its size is exactly
 what this run's settings give, its header repeats those settings, every scale is finite and >= 0, every chunk's
@@ -220,8 +221,10 @@ class ErrorFeedback:
     failed round sent nothing, so everything stays owed). The buffer may live in shared memory
     (``share_memory``): the averager process compresses, the trainer process saves it in backups and resets it."""
 
-    def __init__(self, codec: SparseCodec):
-        self.codec = codec
+    def __init__(self, codec: SparseCodec, decay: float = 1.0):
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"sparse_feedback_decay must be in [0, 1], got {decay!r}; e.g. 0.95")
+        self.codec, self.decay = codec, float(decay)
         self.buffer = torch.zeros(codec.total, dtype=torch.float32)
 
     def share_memory(self) -> "ErrorFeedback":
@@ -229,8 +232,10 @@ class ErrorFeedback:
         return self
 
     def compress(self, pseudo_gradient: torch.Tensor) -> Tuple[bytes, torch.Tensor, torch.Tensor]:
-        """(payload, its decoded contribution, the residual to commit if the round succeeds)."""
-        contribution = pseudo_gradient.detach().reshape(-1).to(torch.float32) + self.buffer
+        """(payload, its decoded contribution, the residual to commit if the round succeeds); the contribution is the
+        pseudo-gradient plus ``decay`` x the buffer."""
+        contribution = pseudo_gradient.detach().reshape(-1).to(torch.float32)
+        contribution = contribution + (self.buffer if self.decay == 1.0 else self.decay * self.buffer)
         payload = self.codec.encode(contribution)
         decoded = self.codec.decode(payload)
         return payload, decoded, contribution - decoded

@@ -25,6 +25,8 @@ def test_sparse_options_are_validated_with_a_fix():
         CollaborationArguments(sync_mode="local", outer_compression="sparse", sparse_bits=16)
     with pytest.raises(ValueError, match="sparse_chunk must be an integer in .*16 bits"):
         CollaborationArguments(sync_mode="local", outer_compression="sparse", sparse_chunk=65537)
+    with pytest.raises(ValueError, match=r"sparse_feedback_decay must be in \[0, 1\].*0.95"):
+        CollaborationArguments(sync_mode="local", outer_compression="sparse", sparse_feedback_decay=1.5)
     with pytest.raises(ValueError, match="outer_compression must be dense or sparse"):
         CollaborationArguments(sync_mode="local", outer_compression="topk")
 
@@ -88,6 +90,16 @@ def test_error_feedback_keeps_what_was_not_sent():
     torch.testing.assert_close(sent_total + feedback.buffer, owed_total, rtol=1e-4, atol=1e-4)
     # and the buffer stays bounded (top-k with error feedback is a contraction)
     assert float(feedback.buffer.norm()) < 20 * float(torch.randn(5000, generator=generator).norm())
+
+
+def test_a_decaying_buffer_adds_only_its_decayed_part():
+    codec = SparseCodec(total=2000, density=0.01, bits=2, chunk=500)
+    feedback = ErrorFeedback(codec, decay=0.95)
+    feedback.buffer.copy_(torch.randn(2000))
+    before = feedback.buffer.clone()
+    pseudo = torch.randn(2000)
+    _, decoded, residual = feedback.compress(pseudo)
+    torch.testing.assert_close(residual, pseudo + 0.95 * before - decoded)
 
 
 def test_error_feedback_is_exactly_zero_at_density_one_and_32_bits():

@@ -203,10 +203,11 @@ class SparsePseudoGradientAverager(PseudoGradientAverager):
     state download) holds what this peer still owes the swarm. Its class name names its RPCs: dense and sparse peers
     of one run never average with each other."""
 
-    def __init__(self, parameters, *, density: float, bits: int, chunk: int, **kwargs):
+    def __init__(self, parameters, *, density: float, bits: int, chunk: int, feedback_decay: float = 1.0, **kwargs):
         parameters = tuple(parameters)
         self.codec = SparseCodec(total=sum(p.numel() for p in parameters), density=density, bits=bits, chunk=chunk)
-        self.feedback = ErrorFeedback(self.codec).share_memory()  # before hivemind forks the averager process
+        # in shared memory before hivemind forks the averager process
+        self.feedback = ErrorFeedback(self.codec, decay=feedback_decay).share_memory()
         super().__init__(parameters, **kwargs)
 
     @timed_allreduce
