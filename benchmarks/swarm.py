@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from benchmarks.report import markdown_table
 from benchmarks.swarm_lib import (
@@ -358,19 +358,26 @@ def write_pareto(rows: Sequence[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def final_loss(row: Row) -> Tuple[float, str]:
+        """The final validation loss, else (a run cut short) its last validation point, marked with its samples."""
+        if math.isfinite(row.validation_loss):
+            return row.validation_loss, ""
+        points = row.validation_points()
+        return (points[-1][1], f" (cut at {points[-1][0] / 1e3:.1f}k samples)") if points else (math.nan, "")
+
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    points = [r for r in rows if r.mode != "solo" and r.bytes_per_sample > 0 and math.isfinite(r.validation_loss)]
+    points = [r for r in rows if r.mode != "solo" and r.bytes_per_sample > 0 and math.isfinite(final_loss(r)[0])]
     for row in points:
+        loss, note = final_loss(row)
         sparse = row.mode.startswith("local_sparse")
         kind = "sync" if not row.mode.startswith("local") else ("local sparse" if sparse else "local dense")
         marker = {"sync": "o", "local dense": "s", "local sparse": "^"}[kind]
-        ax.scatter(row.bytes_per_sample, row.validation_loss, marker=marker, s=60, label=f"{row.link}/{row.mode}")
-        label = row.mode if not math.isfinite(row.local_steps) else f"{kind} H={row.local_steps:.0f}"
-        ax.annotate(label, (row.bytes_per_sample, row.validation_loss), fontsize=7, xytext=(4, 4),
-                    textcoords="offset points")  # fmt: skip
+        ax.scatter(row.bytes_per_sample, loss, marker=marker, s=60, label=f"{row.link}/{row.mode}{note}")
+        label = row.mode if not math.isfinite(row.local_steps) else f"{row.mode} H={row.local_steps:.0f}"
+        ax.annotate(label, (row.bytes_per_sample, loss), fontsize=7, xytext=(4, 4), textcoords="offset points")
     syncs = [r for r in points if r.mode == "sync"]
     for sync in syncs:
-        ax.axhline(sync.validation_loss * 1.03, color="tab:red", lw=0.8, ls="--", label="sync val loss + 3 %")
+        ax.axhline(final_loss(sync)[0] * 1.03, color="tab:red", lw=0.8, ls="--", label="sync val loss + 3 %")
         ax.axvline(sync.bytes_per_sample / 200, color="tab:green", lw=0.8, ls=":", label="sync bytes ÷ 200")
     ax.set_xscale("log")
     ax.set(
