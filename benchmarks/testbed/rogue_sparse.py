@@ -27,6 +27,11 @@ from peer.swarm.sparse import SparseCodec
 _HEADER = struct.calcsize("<4sBBHIIQ")
 
 
+class StandaloneAllGather(SparseAllGather):
+    """``SparseAllGather`` served on its own (no averager), by the test's honest peer and by this rogue: hivemind
+    caches a servicer's handlers and stub type on its class, so the production class is left untouched."""
+
+
 def malformed(codec: SparseCodec, name: str) -> bytes:
     """A payload of this run with one thing wrong (or several valid-looking bytes too many)."""
     good = bytearray(codec.encode(torch.randn(codec.total)))
@@ -58,9 +63,9 @@ async def main(spec: dict) -> None:
     await asyncio.get_event_loop().run_in_executor(None, sys.stdin.readline)
     try:
         for index, variant in enumerate(spec["variants"]):
-            runner = SparseAllGather(
+            runner = StandaloneAllGather(
                 p2p=p2p,
-                servicer_type=SparseAllGather,
+                servicer_type=StandaloneAllGather,
                 prefix=f"rogue_sparse_{index}",
                 group_id=bytes.fromhex(spec["group_id"]),
                 ordered_peer_ids=[p2p.peer_id, honest],  # first: this peer dials

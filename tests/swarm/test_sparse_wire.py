@@ -14,7 +14,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from benchmarks.testbed.processes import REPO_ROOT
-from peer.swarm.hivemind_seam import SparseAllGather, SparsePseudoGradientAverager
+from benchmarks.testbed.rogue_sparse import StandaloneAllGather
+from peer.swarm.hivemind_seam import SparsePseudoGradientAverager
 from peer.swarm.hivemind_seam.sparse_wire import aggregate_contributions
 from peer.swarm.sparse import SparseCodec
 
@@ -67,9 +68,9 @@ def test_a_rogue_process_sending_malformed_payloads_is_refused(caplog):
             rogue_id = PeerID.from_base58((await asyncio.wait_for(rogue.stdout.readline(), 60)).decode().strip())
             runners = []
             for index in range(len(ROGUE_VARIANTS)):
-                runner = SparseAllGather(
+                runner = StandaloneAllGather(
                     p2p=p2p,
-                    servicer_type=SparseAllGather,
+                    servicer_type=StandaloneAllGather,
                     prefix=f"rogue_sparse_{index}",
                     group_id=bytes.fromhex(spec["group_id"]),
                     ordered_peer_ids=[rogue_id, p2p.peer_id],  # the rogue dials
