@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from benchmarks.report import markdown_table
 from benchmarks.swarm_lib import (
@@ -64,7 +64,8 @@ DEFAULT_MODES = ("solo", "sync", "sync+overlap", "sync+overlap+rare_state")
 # each, ~1-2 s) let the first peer end two epochs alone and the second chase it to max_epochs and leave
 QUICK = dict(
     links=("broadband",),
-    modes=("solo", "sync"),
+    # local_sparse_x1: one round per sync epoch, H = 512 / (2 x 8) = 32 local steps, sparse all-gather
+    modes=("solo", "sync", "local_sparse_x1"),
     model_config="tiny",
     epochs=3,
     target_batch_size=512,
@@ -91,7 +92,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="reduced matrix for tests: " + json.dumps(QUICK))
     parser.add_argument("--links", help=f"comma-separated link presets (default: {','.join(DEFAULT_LINKS)})")
-    parser.add_argument("--modes", help=f"comma-separated modes, solo first (default: {','.join(DEFAULT_MODES)})")
+    parser.add_argument(
+        "--modes",
+        help=f"comma-separated modes, solo (the efficiency reference) first (default: {','.join(DEFAULT_MODES)})",
+    )
     parser.add_argument("--peers", type=int, choices=(2, 3), default=2, help="trainers per swarm (3: oversubscribed)")
     parser.add_argument("--model_config", help="model preset or JSON file for every peer (default: bench)")
     parser.add_argument(
@@ -125,6 +129,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="PNG: loss vs samples and vs time, efficiency, bytes per sample (default: %(default)s)",
     )
     parser.add_argument("--from_json", type=Path, help="run nothing: print the table (and plot) of saved --json rows")
+    parser.add_argument(
+        "--measure_from",
+        type=int,
+        help="samples after which every row is measured (default: the largest round of --modes); give the whole "
+        "matrix's largest round when its rows run in separate invocations, so that they share one window",
+    )
+    parser.add_argument(
+        "--pareto",
+        type=Path,
+        help="PNG: validation loss against bytes per peer per trained sample, one point per row (with --from_json too)",
+    )
     parser.add_argument("--folder", type=Path, help="where the peers' logs, events and timings go (default: temp)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else {}).items():
@@ -140,11 +155,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for name in args.modes:
         if name not in MODES:
             parser.error(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
-    if "solo" not in args.modes:
-        parser.error("efficiency needs the solo reference: include solo in --modes (e.g. --modes solo,sync)")
+    if "solo" not in args.modes and not args.from_json:
+        logger.warning("No solo row in --modes: efficiency is not computed (compute share, bytes and loss are)")
     problem = settings_from(args).check(args.modes)
     if problem and not args.from_json:
         parser.error(problem)
+    if args.measure_from is not None and not args.from_json:
+        settings = settings_from(args)
+        uneven = [m for m in args.modes if args.measure_from % settings.round_size(m)]
+        if uneven or not 0 < args.measure_from < settings.total_samples:
+            parser.error(
+                f"--measure_from must be below the {settings.total_samples} samples of a row and a multiple of every "
+                f"mode's round (not of {', '.join(uneven) or 'any'}); e.g. the largest round of the whole matrix"
+            )
     return args
 
 
@@ -327,6 +350,49 @@ def write_plot(rows: Sequence[Row], path: Path) -> None:
     plt.close(fig)
 
 
+def write_pareto(rows: Sequence[Row], path: Path) -> None:
+    """The communication frontier: validation loss against bytes per peer per trained sample (log scale), one point
+    per row at equal samples; lower left is better."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def final_loss(row: Row) -> Tuple[float, str]:
+        """The final validation loss, else (a run cut short) its last validation point, marked with its samples."""
+        if math.isfinite(row.validation_loss):
+            return row.validation_loss, ""
+        points = row.validation_points()
+        return (points[-1][1], f" (cut at {points[-1][0] / 1e3:.1f}k samples)") if points else (math.nan, "")
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    points = [r for r in rows if r.mode != "solo" and r.bytes_per_sample > 0 and math.isfinite(final_loss(r)[0])]
+    for row in points:
+        loss, note = final_loss(row)
+        sparse = row.mode.startswith("local_sparse")
+        kind = "sync" if not row.mode.startswith("local") else ("local sparse" if sparse else "local dense")
+        marker = {"sync": "o", "local dense": "s", "local sparse": "^"}[kind]
+        ax.scatter(row.bytes_per_sample, loss, marker=marker, s=60, label=f"{row.link}/{row.mode}{note}")
+        label = row.mode if not math.isfinite(row.local_steps) else f"{row.mode} H={row.local_steps:.0f}"
+        ax.annotate(label, (row.bytes_per_sample, loss), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    syncs = [r for r in points if r.mode == "sync"]
+    for sync in syncs:
+        ax.axhline(final_loss(sync)[0] * 1.03, color="tab:red", lw=0.8, ls="--", label="sync val loss + 3 %")
+        ax.axvline(sync.bytes_per_sample / 200, color="tab:green", lw=0.8, ls=":", label="sync bytes ÷ 200")
+    ax.set_xscale("log")
+    ax.set(
+        xlabel="bytes on the wire per peer per trained sample (log)",
+        ylabel="validation loss at equal samples",
+        title="communication frontier (lower left is better)",
+    )
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def rows_from_json(path: Path) -> List[Row]:
     known = {f.name for f in dataclasses.fields(Row)}
     return [Row(**{k: v for k, v in item.items() if k in known}) for item in json.loads(path.read_text())]
@@ -338,7 +404,7 @@ def rows_from_json(path: Path) -> List[Row]:
 def run_matrix(args: argparse.Namespace, folder: Path) -> List[Row]:
     settings = settings_from(args)
     wire = wire_bytes_of(gradient_sizes(settings.model_config), settings.compression_threshold)
-    window_start = max(settings.round_size(mode) for mode in args.modes)
+    window_start = args.measure_from or max(settings.round_size(mode) for mode in args.modes)
     logger.info(
         "Model %s: gradients %.1f MB on the wire per copy; %d peers, %d samples per row, measured from sample %d",
         settings.model_config,
@@ -347,7 +413,8 @@ def run_matrix(args: argparse.Namespace, folder: Path) -> List[Row]:
         settings.total_samples,
         window_start,
     )
-    plan = [("any", "solo")] + [(link, mode) for link in args.links for mode in args.modes if mode != "solo"]
+    plan = [("any", "solo")] if "solo" in args.modes else []
+    plan += [(link, mode) for link in args.links for mode in args.modes if mode != "solo"]
     rows: List[Row] = []
     solo_rate: Optional[float] = None
     for link, mode in plan:
@@ -428,6 +495,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows = rows_from_json(args.from_json)
         print_tables(rows)
         write_plot(rows, args.plot)
+        if args.pareto:
+            write_pareto(rows, args.pareto)
         return 0
     from benchmarks.testbed.netem.hosts import netns_unavailable_reason
 
@@ -439,7 +508,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     folder = args.folder or Path(tempfile.mkdtemp(prefix="leanhive-swarm-bench-"))
     rows = run_matrix(args, folder)
     settings = settings_from(args)
-    window_start = max(settings.round_size(mode) for mode in args.modes)
+    window_start = args.measure_from or max(settings.round_size(mode) for mode in args.modes)
     print(
         f"Command: `python -m benchmarks.swarm {' '.join(sys.argv[1:] if argv is None else argv)}` — "
         f"model {settings.model_config}, {settings.peers} peers, {settings.total_samples} samples per row "
@@ -453,6 +522,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.plot:
         write_plot(rows, args.plot)
         logger.info("Wrote %s", args.plot)
+    if args.pareto:
+        write_pareto(rows, args.pareto)
     failed = [r for r in rows if r.error]
     return 1 if failed else 0
 

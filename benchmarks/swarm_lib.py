@@ -51,6 +51,8 @@ LINKS: Dict[str, LinkProfile] = {
     "home": LinkProfile(mbit=20.0, rtt_ms=100.0),
     "broadband": LinkProfile(mbit=100.0, rtt_ms=20.0),
     "lan": LinkProfile(mbit=1000.0, rtt_ms=1.0),
+    # a common home line: the upload is the bottleneck (tbf per direction)
+    "home_asym": LinkProfile(mbit=10.0, down_mbit=50.0, rtt_ms=100.0),
 }
 
 MODES: Dict[str, List[str]] = {
@@ -65,7 +67,14 @@ MODES: Dict[str, List[str]] = {
 }
 """Mode -> trainer flags added to the common ones."""
 
-LOCAL_ROUNDS: Dict[str, int] = {"local_x1": 1, "local_x4": 4, "local_x8": 8, "local_x12": 12, "local_x16": 16}
+LOCAL_ROUNDS: Dict[str, int] = {
+    "local_x1": 1,
+    "local_x2": 2,
+    "local_x4": 4,
+    "local_x8": 8,
+    "local_x12": 12,
+    "local_x16": 16,
+}
 """--sync_mode local (DiLoCo-style) modes -> round size in sync epochs (``target_batch_size``): local_x12 averages
 once per 12 epochs' worth of samples, so its bytes per sample are about 12 x 2 / 1.125 lower than sync's. H = local
 steps per peer per round = round / (peers x samples per local step); the inner 8-bit LAMB steps after every local
@@ -74,6 +83,15 @@ the same for every row) keep it a small share, as a GPU does."""
 for _name in LOCAL_ROUNDS:
     # the shared parameters are averaged every 8 rounds only: the pseudo-gradient all-reduce keeps peers together
     MODES[_name] = ["--sync_mode", "local", "--average_state_every", "8"]
+SPARSE_ROUNDS: Dict[str, int] = {f"local_sparse_x{k}": k for k in (1, 2, 4, 8, 16, 32)}
+"""--sync_mode local --outer_compression sparse (top-k 2 %, 2-bit values, error feedback; peer/swarm/sparse.py),
+the same round sizes. Every peer applies the same all-gathered average, so the shared parameters are never averaged
+(--average_state_every beyond the run: it would send 8-bit parameters, more than all sparse rounds together)."""
+LOCAL_ROUNDS.update(SPARSE_ROUNDS)
+for _name in SPARSE_ROUNDS:
+    MODES[_name] = ["--sync_mode", "local", "--outer_compression", "sparse", "--average_state_every", "1000000"]
+    # SparseLoCo's outer step: no momentum (the decaying error-feedback buffer takes its part), learning rate 1
+    MODES[_name] += ["--outer_momentum", "0", "--outer_learning_rate", "1"]
 
 BREAKDOWN = (
     "compute",
@@ -378,7 +396,7 @@ def run_swarm(
     with Testbed(settings.peers) as testbed:
         proxies = []
         for host in testbed.hosts:
-            testbed.set_bandwidth(host, link.mbit)
+            testbed.set_bandwidth(host, link.mbit, down_mbit=link.down_mbit)
             proxies.append(testbed.start_proxy(host, PORT, settings=link.proxy_settings()))
         sampler = CounterSampler(testbed.hosts)
         sampler.sample()

@@ -54,6 +54,9 @@ def save_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[
         payload = dict(
             model=model.state_dict(), optimizer=opt_state, schema=backup_schema(model), epoch=optimizer.local_epoch
         )
+        feedback = error_feedback_of(optimizer)
+        if feedback is not None:  # --outer_compression sparse: what this peer still owes the swarm
+            payload["error_feedback"] = feedback.state()
         payload["digest"] = tensor_digest(payload)
         try:
             if path.exists():  # the newest becomes the previous one; a crash before the next line leaves that one
@@ -87,9 +90,28 @@ def load_backup(output_dir: str, model: torch.nn.Module, optimizer) -> Optional[
             model.load_state_dict(payload["model"])
             optimizer.load_state_dict(payload["optimizer"])
             sync_offloaded_parameters(optimizer)
+            _restore_error_feedback(optimizer, payload.get("error_feedback"), path)
         logger.info("Restored the local backup from %s (global epoch %d)", path, optimizer.local_epoch)
         return path
     return None
+
+
+def error_feedback_of(optimizer):
+    """The error-feedback buffer of ``--outer_compression sparse`` (None in the other modes)."""
+    return getattr(getattr(optimizer, "grad_averager", None), "feedback", None)
+
+
+def _restore_error_feedback(optimizer, saved, path: Path) -> None:
+    """A backup of the sparse mode restores the buffer; one without it (another mode, or a different model size)
+    leaves it at zero: nothing owed is the safe start (at most one round's left-out values are lost)."""
+    feedback = error_feedback_of(optimizer)
+    if feedback is None:
+        return
+    if saved is None:
+        feedback.reset()
+        logger.info("The backup %s has no error-feedback buffer (another --outer_compression): starting from 0", path)
+    elif not feedback.load(saved):
+        logger.warning("The error-feedback buffer in %s does not fit this run (or is NaN/inf): starting from 0", path)
 
 
 def _read_backup(path: Path, model: torch.nn.Module) -> Optional[dict]:

@@ -23,7 +23,7 @@ import peer.cli
 from benchmarks.testbed.faults import injection
 from benchmarks.testbed.hivemind_faults import AllReduceFaults
 from peer.swarm import optimizer, process_guard
-from peer.swarm.hivemind_seam import LeanHiveGradientAverager, PseudoGradientAverager
+from peer.swarm.hivemind_seam import LeanHiveGradientAverager, PseudoGradientAverager, SparsePseudoGradientAverager
 from peer.swarm.lifecycle import configure_logging, run_peer
 from peer.trainer import TrainerPeer
 
@@ -60,12 +60,21 @@ class FaultyPseudoGradientAverager(_FaultHooks, PseudoGradientAverager):
     """--sync_mode local: the pseudo-gradients sent may be corrupted the same way."""
 
 
+class FaultySparsePseudoGradientAverager(_FaultHooks, SparsePseudoGradientAverager):
+    """--outer_compression sparse: the pseudo-gradients are corrupted before they are compressed."""
+
+
 FaultyGradientAverager.__name__ = LeanHiveGradientAverager.__name__
 FaultyPseudoGradientAverager.__name__ = PseudoGradientAverager.__name__
+FaultySparsePseudoGradientAverager.__name__ = SparsePseudoGradientAverager.__name__
 
 
-FAULTY_AVERAGERS = {"sync": FaultyGradientAverager, "local": FaultyPseudoGradientAverager}
-"""What ``main`` puts in ``peer.swarm.optimizer.GRADIENT_AVERAGERS``, per --sync_mode."""
+FAULTY_AVERAGERS = {
+    "sync": FaultyGradientAverager,
+    "local": FaultyPseudoGradientAverager,
+    "local_sparse": FaultySparsePseudoGradientAverager,
+}
+"""What ``main`` puts in ``peer.swarm.optimizer.GRADIENT_AVERAGERS``, per --sync_mode (and outer compression)."""
 
 
 class FaultyTrainerPeer(TrainerPeer):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from configs import RUN_PRESETS_DIR
+from peer.swarm.sparse import MAX_CHUNK, VALUE_BITS
 from peer.swarm.validate import integer_at_least, non_negative, positive, require
 
 __all__ = ["RUN_PRESETS_DIR", "SYNC_MODES", "CollaborationArguments", "OptimizerArguments", "TrainingArguments"]
@@ -82,6 +83,22 @@ class CollaborationArguments:
     outer_momentum: float = 0.9
     """local mode: momentum of the outer Nesterov SGD (DiLoCo's 0.9; 0 with outer_learning_rate 1 is plain
     parameter averaging)."""
+    outer_compression: Literal["dense", "sparse"] = "dense"
+    """local mode: how pseudo-gradients travel. dense: every value, in the --compression wire format, over hivemind's
+    butterfly all-reduce. sparse (for home uplinks): per chunk only the sparse_density largest values, quantized to
+    sparse_bits bits, all-gathered; what is left out is kept in an error-feedback buffer and sent in later rounds
+    (peer/swarm/sparse.py). Every peer of a run must use the same setting."""
+    sparse_density: float = 0.02
+    """outer_compression sparse: fraction of each chunk's values sent per round (0.01-0.03 is typical; 1 sends all)."""
+    sparse_bits: int = 2
+    """outer_compression sparse: bits per sent value (1-8 on a uniform grid scaled per chunk, or 32 for float32)."""
+    sparse_chunk: int = 4096
+    """outer_compression sparse: values per chunk; each chunk keeps its own largest values and scale (at most
+    65536, so positions fit 16 bits)."""
+    sparse_feedback_decay: float = 0.95
+    """outer_compression sparse: each round the error-feedback buffer (what earlier rounds left out) is multiplied by
+    this before it is added to the pseudo-gradient (SparseLoCo's 0.95; 1 keeps everything). SparseLoCo also runs the
+    outer step without momentum (--outer_momentum 0 --outer_learning_rate 1): the buffer plays its part."""
 
     def __post_init__(self):
         require(
@@ -116,6 +133,7 @@ class CollaborationArguments:
             isinstance(self.outer_momentum, (int, float)) and 0.0 <= self.outer_momentum < 1.0,
             f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}",
         )
+        self._check_outer_compression()
         if self.sync_mode == "local":
             # the outer step is cheap and rare: nothing to hide behind the next steps
             require(
@@ -123,6 +141,36 @@ class CollaborationArguments:
                 "--sync_mode local takes no --delay_optimizer_step / --delay_grad_averaging (its rare outer step "
                 "has nothing to overlap); remove them",
             )
+
+    def _check_outer_compression(self) -> None:
+        require(
+            self.outer_compression in ("dense", "sparse"),
+            f"outer_compression must be dense or sparse, got {self.outer_compression!r}; e.g. --outer_compression "
+            "sparse",
+        )
+        require(
+            self.outer_compression == "dense" or self.sync_mode == "local",
+            "--outer_compression sparse compresses the pseudo-gradients of --sync_mode local: add --sync_mode local",
+        )
+        require(
+            isinstance(self.sparse_density, (int, float)) and 0.0 < self.sparse_density <= 1.0,
+            f"sparse_density must be in (0, 1], got {self.sparse_density!r}; e.g. --sparse_density 0.02",
+        )
+        require(
+            self.sparse_bits in VALUE_BITS,
+            f"sparse_bits must be one of {', '.join(map(str, VALUE_BITS))}, got {self.sparse_bits!r}; e.g. "
+            "--sparse_bits 2",
+        )
+        require(
+            isinstance(self.sparse_feedback_decay, (int, float)) and 0.0 <= self.sparse_feedback_decay <= 1.0,
+            f"sparse_feedback_decay must be in [0, 1], got {self.sparse_feedback_decay!r}; e.g. "
+            "--sparse_feedback_decay 0.95",
+        )
+        require(
+            isinstance(self.sparse_chunk, int) and 1 <= self.sparse_chunk <= MAX_CHUNK,
+            f"sparse_chunk must be an integer in [1, {MAX_CHUNK}] (positions are sent as 16 bits), got "
+            f"{self.sparse_chunk!r}; e.g. --sparse_chunk 4096",
+        )
 
 
 @dataclass

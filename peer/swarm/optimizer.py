@@ -27,6 +27,7 @@ from peer.swarm.hivemind_seam import (
     LeanHiveGradientAverager,
     LeanHiveOptimizer,
     PseudoGradientAverager,
+    SparsePseudoGradientAverager,
     StateDownloadSettings,
     authorized_peer_ids,
 )
@@ -131,6 +132,7 @@ def make_compression(args: CollaborationArguments) -> CompressionBase:
 GRADIENT_AVERAGERS: Dict[str, Type[LeanHiveGradientAverager]] = {
     "sync": LeanHiveGradientAverager,
     "local": PseudoGradientAverager,
+    "local_sparse": SparsePseudoGradientAverager,  # --sync_mode local --outer_compression sparse
 }
 """The averager of each ``--sync_mode``'s all-reduce. LeanHive never changes this table; the tests' fault entry point
 (tests/support/fault_trainer.py) puts subclasses that inject faults here before it builds its peer, so no production
@@ -174,9 +176,18 @@ def build_optimizer(
     # shard ("received 50.0% of input tensors"), which leaves the peers' shared parameters apart after the round.
     # Rounds take minutes in this mode, so waiting longer costs little.
     next_chunk_timeout = max(collab.matchmaking_time, allreduce_timeout / 3) if local else None
-    averager_class = GRADIENT_AVERAGERS[collab.sync_mode]
+    sparse = local and collab.outer_compression == "sparse"
+    averager_class = GRADIENT_AVERAGERS["local_sparse" if sparse else collab.sync_mode]
     if local:  # the averager of pseudo-gradients; the wrapped optimizer is the outer one (trainers own the inner)
         grad_averager_factory = partial(averager_class, policy=policy, run_id=run_id, **averager_opts)
+        if sparse:
+            grad_averager_factory = partial(
+                grad_averager_factory,
+                density=collab.sparse_density,
+                bits=collab.sparse_bits,
+                chunk=collab.sparse_chunk,
+                feedback_decay=collab.sparse_feedback_decay,
+            )
         optimizer, scheduler = partial(make_outer_sgd, args=collab), None
     else:
         grad_averager_factory = partial(averager_class, policy=policy, **averager_opts)

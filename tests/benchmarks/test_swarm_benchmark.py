@@ -1,7 +1,7 @@
 """The collaboration-efficiency benchmark (benchmarks/swarm.py): its byte accounting on known sizes, the equal-samples
 rule (round sizes, scaled schedules, one measured window for every row), and ``--quick`` end to end with real peers
-on emulated links (solo and sync on broadband, the tiny model). No timing assertions: the figures must be present
-and sane, whatever this machine's speed.
+on emulated links (solo, sync and local sparse on broadband, the tiny model). No timing assertions: the figures must
+be present and sane, whatever this machine's speed.
 
 The end-to-end test is opt-in, like the other suites on emulated links: ``python -m pytest -m swarm_bench`` (one to
 two minutes, as root). Its epochs last seconds: with sub-second epochs the peers' start-up skew on a loaded machine
@@ -179,8 +179,8 @@ def test_quick_matrix_reports_sane_figures(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "| link | mode |" in result.stdout and "efficiency" in result.stdout
     rows = {row["mode"]: row for row in json.loads(rows_path.read_text())}
-    assert set(rows) == {"solo", "sync"}
-    solo, sync = rows["solo"], rows["sync"]
+    assert set(rows) == {"solo", "sync", "local_sparse_x1"}
+    solo, sync, sparse = rows["solo"], rows["sync"], rows["local_sparse_x1"]
     assert solo["efficiency"] == 1.0 and solo["samples_per_second"] > 0
     assert solo["bytes_per_sample"] < 1000  # a peer alone sends next to nothing
     assert sync["epochs_measured"] >= 2 and sync["exit_codes"] == [0, 0]
@@ -198,3 +198,7 @@ def test_quick_matrix_reports_sane_figures(tmp_path):
         assert row["round_samples"] == 512 and [p["samples"] for p in row["val_curve"]][-1] == 3 * 512
         assert row["val_curve"][-1]["loss"] == pytest.approx(row["validation_loss"], abs=0.05)
     assert plot_path.stat().st_size > 10_000
+    # the sparse local row: its peers averaged every round (all-gather of 2-bit top-k payloads) and sent far less
+    assert sparse["exit_codes"] == [0, 0] and sparse["epochs_measured"] >= 1 and sparse["epochs_alone"] == 0
+    assert sparse["local_steps"] == 32 and math.isfinite(sparse["validation_loss"])
+    assert sparse["bytes_per_sample"] < sync["bytes_per_sample"] / 5

@@ -14,7 +14,7 @@ import hivemind
 import pytest
 
 from peer.swarm import hivemind_seam
-from peer.swarm.hivemind_seam import averaging, dht, progress
+from peer.swarm.hivemind_seam import averaging, dht, progress, sparse_wire
 
 pytestmark = pytest.mark.deps  # scripts/test.sh --newest/--oldest run these
 
@@ -80,7 +80,7 @@ def test_every_override_is_listed_in_the_seam():
     listed = {(cls, name) for cls, name, _ in hivemind_seam.OVERRIDDEN_METHODS}
     ours = [
         value
-        for module in (dht, averaging, progress)
+        for module in (dht, averaging, progress, sparse_wire)
         for value in vars(module).values()
         if inspect.isclass(value) and value.__module__ == module.__name__
     ]

@@ -92,6 +92,17 @@ def test_bandwidth_limit_applies_both_ways():
         assert measure_throughput(a, b, nbytes=3_000_000, port=45002)["mbit_s"] > 40
 
 
+def test_an_asymmetric_link_limits_each_direction_on_its_own():
+    """A home line (benchmarks' home_asym): 10 Mbit/s up, 50 down (tbf on each side of the host's veth)."""
+    with Testbed(2) as tb:
+        a, b = tb.hosts
+        tb.set_bandwidth(a, 10, down_mbit=50)
+        upload = measure_throughput(a, b, nbytes=2_000_000, port=45003)
+        download = measure_throughput(b, a, nbytes=6_000_000, port=45004)
+        assert 7 <= upload["mbit_s"] <= 12.5, upload
+        assert 35 <= download["mbit_s"] <= 62, download
+
+
 def test_proxy_adds_delay_keeps_order_and_stalls_lost_chunks():
     with Testbed(2) as tb:
         a, b = tb.hosts

@@ -36,17 +36,21 @@ class LinkProfile:
     """What every host's link looks like."""
 
     mbit: Optional[float] = 20.0
-    """Bandwidth of each host's link, each direction (None: unlimited)."""
+    """Bandwidth of each host's link, each direction (None: unlimited); the upload only when down_mbit is set."""
     rtt_ms: float = 100.0
     """Round trip time of every connection (half of it added by the proxy in each direction)."""
     jitter_ms: float = 0.0
     loss: float = 0.0
+    down_mbit: Optional[float] = None
+    """Download bandwidth of an asymmetric link (home lines: the upload is the slow side); None: the same as mbit."""
 
     def proxy_settings(self) -> ProxySettings:
         return ProxySettings(delay_ms=self.rtt_ms / 2, jitter_ms=self.jitter_ms, loss=self.loss)
 
     def describe(self) -> str:
         speed = "unlimited" if self.mbit is None else f"{self.mbit:g} Mbit/s"
+        if self.down_mbit is not None:
+            speed = f"{speed} up / {self.down_mbit:g} Mbit/s down"
         return f"{speed}, {self.rtt_ms:g} ms RTT"
 
 
@@ -173,7 +177,7 @@ class NetemSwarm:
         try:
             for host in self.testbed.hosts:
                 if self.link.mbit is not None:
-                    self.testbed.set_bandwidth(host, self.link.mbit)
+                    self.testbed.set_bandwidth(host, self.link.mbit, down_mbit=self.link.down_mbit)
                 self.proxies.append(self.testbed.start_proxy(host, PORT, settings=self.link.proxy_settings()))
         except BaseException:
             self.testbed.close()

@@ -269,18 +269,21 @@ class Testbed:
 
     # ---- link emulation ----
 
-    def set_bandwidth(self, host: Host, mbit: Optional[float]) -> None:
-        """Limit ``host``'s link to ``mbit`` Mbit/s in each direction (None removes the limit).
+    def set_bandwidth(self, host: Host, mbit: Optional[float], *, down_mbit: Optional[float] = None) -> None:
+        """Limit ``host``'s link to ``mbit`` Mbit/s in each direction (None removes the limit); with ``down_mbit``,
+        ``mbit`` is the upload and ``down_mbit`` the download (an asymmetric home line).
 
         Egress: tbf on the host's eth0. Ingress: tbf on the bridge-side veth's egress, i.e. what the
         switch sends to the host.
         """
-        if mbit is not None and not mbit > 0:
-            raise ValueError(f"mbit must be a positive number of Mbit/s or None for unlimited, got {mbit}")
-        for netns, dev in ((host.name, HOST_IFACE), (self.switch, host.bridge_port)):
+        down = mbit if down_mbit is None else down_mbit
+        for rate in (mbit, down):
+            if rate is not None and not rate > 0:
+                raise ValueError(f"mbit must be a positive number of Mbit/s or None for unlimited, got {rate}")
+        for netns, dev, rate in ((host.name, HOST_IFACE, mbit), (self.switch, host.bridge_port, down)):
             _sh("tc", "-n", netns, "qdisc", "del", "dev", dev, "root", check=False)
-            if mbit is not None:
-                _sh("tc", "-n", netns, "qdisc", "add", "dev", dev, "root", *tbf_args(mbit))
+            if rate is not None:
+                _sh("tc", "-n", netns, "qdisc", "add", "dev", dev, "root", *tbf_args(rate))
 
     def set_link_up(self, host: Host, up: bool) -> None:
         """Pull (or plug back) ``host``'s cable at the switch: packets are dropped, sockets stall."""

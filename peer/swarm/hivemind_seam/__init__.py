@@ -315,3 +315,21 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.dht.node", "DHTNode", "p2p"),
     ("hivemind.p2p.p2p_daemon", "P2P", "_client"),
 ]
+
+# --outer_compression sparse (``sparse_wire``; its docstring says what and why). Its own block, appended: its
+# ``_run_allreduce_inplace_`` is pinned above with the other averagers'; it relies on the averager's
+# ``rpc_aggregate_part`` handing each stream to the running group's runner.
+from peer.swarm.hivemind_seam.sparse_wire import SparseAllGather, SparsePseudoGradientAverager  # noqa: E402
+
+__all__ += ["SparseAllGather", "SparsePseudoGradientAverager"]
+OVERRIDDEN_METHODS += [
+    (
+        _DA,
+        "rpc_aggregate_part",
+        "(self, stream: 'AsyncIterator[averaging_pb2.AveragingData]', context: 'P2PContext') -> "
+        "'AsyncIterator[averaging_pb2.AveragingData]'",
+    ),
+]
+PRIVATE_ATTRIBUTES += [
+    ("hivemind.averaging.averager", "DecentralizedAverager", "next_chunk_timeout"),
+]

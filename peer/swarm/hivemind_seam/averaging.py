@@ -763,6 +763,9 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                 logger.warning("Failed to load the state from peers: %r", e)
             if self.state_averager.state_arrived():
                 self.state_loads += 1
+                feedback = getattr(self.grad_averager, "feedback", None)
+                if feedback is not None:  # --outer_compression sparse: reset, not the donor's (see sparse_wire)
+                    feedback.reset()
                 if isinstance(self.tracker, LeanHiveProgressTracker):
                     # a peer that claimed an epoch no served state has is not followed again (one download, not
                     # one per step)

@@ -1,0 +1,295 @@
+"""``--outer_compression sparse`` over hivemind: an all-gather of compressed pseudo-gradients in hivemind's groups.
+
+Why an all-gather and not hivemind's butterfly all-reduce: the butterfly sends each reducer a slice of every peer's
+vector and sends the slice's average back. A sparse contribution stays small on the way in, but the average of n
+sparse vectors is up to n times denser and no longer on a low-bit grid, so the way back costs more than the way in
+(16-bit position + 16-bit value per non-zero instead of 16 + 2 bits) and its own compression would lose values no
+error-feedback buffer owns. The all-gather sends each peer's payload (about 0.37 bits per parameter at the defaults)
+to each other peer once and nothing back: per peer (n - 1) x payload up and down, less than the butterfly's for the
+groups of 2 to ~8 peers this mode forms (hivemind's group size is bounded by matchmaking), exact on receipt, one
+round trip. Every peer decodes the same contributions in the group's order and aggregates them with the same
+``bounded_mean``, so all apply the same average (the mode's invariant).
+
+What is overridden and why (pinned in ``__init__``'s lists like the rest of the seam):
+- ``SparsePseudoGradientAverager._run_allreduce_inplace_`` (override of the private ``DecentralizedAverager``
+  method): compresses this peer's pseudo-gradient with its error feedback (``peer.swarm.sparse``), runs
+  ``SparseAllGather`` in the group hivemind's matchmaking formed, refuses every payload that fails
+  ``SparseCodec.check`` before decoding it, aggregates with ``bounded_mean`` (robust averaging, bounded sample
+  weights) and commits the error feedback only when the round succeeded. Uses the private ``_p2p``,
+  ``_running_groups``, ``_averaging_alpha``, ``_state_updated``.
+- ``SparseAllGather.rpc_aggregate_part``: registered through the averager's own ``rpc_aggregate_part`` (which
+  hands a stream to the running group's runner), so no new RPC name exists; the messages are hivemind's
+  ``AveragingData`` with the payload's bytes in ``tensor_part.buffer``. Incoming bytes are bounded by the exact
+  payload size of the run: a longer stream is cut off and refused.
+
+The error-feedback buffer after a state download (joining, a missed round, a repaired disagreement) is reset to
+zero, not taken from the donor: the donor still owes its own residual and sends it in its next rounds (taking it
+would apply it twice), and this peer's old residual was computed against shared parameters the download replaced.
+What is lost is at most the left-out part of one peer's recent rounds, a bounded perturbation that error feedback
+was delaying anyway. Backups keep the buffer (peer/backup.py), so a restart from one resumes exactly.
+
+Pairs: of two node peers the one earlier in the group's order dials; a client-mode peer dials every node. Two client
+peers cannot reach each other, so they miss each other's contribution (the round agreement, peer.swarm.agreement,
+repairs the difference); the benchmark and the namespace test-bed run reachable peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout
+
+from peer.swarm.hivemind_seam.averaging import PseudoGradientAverager
+from peer.swarm.hivemind_seam.timing import timed_allreduce
+from peer.swarm.robust import bounded_mean, keep_local_where_not_finite
+from peer.swarm.sparse import ErrorFeedback, SparseCodec, flatten
+
+logger = logging.getLogger(__name__)
+
+PIECE_BYTES = 2**19
+"""A payload travels in messages of at most this many bytes (hivemind's butterfly uses the same part size)."""
+
+
+class SparseAllGather(ServicerBase):
+    """One round's exchange of payloads in a group: every sender's payload reaches every other sender once.
+
+    A ServicerBase, as hivemind's AllReduceRunner is, so a test can serve it directly without an averager."""
+
+    def __init__(
+        self,
+        *,
+        p2p: P2P,
+        servicer_type: type,
+        prefix: Optional[str],
+        group_id: bytes,
+        ordered_peer_ids: Sequence[PeerID],
+        modes: Sequence[AveragingMode],
+        weight: float,
+        payload: bytes,
+        payload_bytes: int,
+        sender_timeout: float,
+    ):
+        self._p2p, self.peer_id = p2p, p2p.peer_id
+        self._servicer_type, self._prefix = servicer_type, prefix
+        self.group_id, self.ordered_peer_ids, self.modes = group_id, list(ordered_peer_ids), list(modes)
+        self.weight, self.payload, self.payload_bytes = float(weight), payload, payload_bytes
+        self.sender_timeout = sender_timeout
+        self.senders = [peer for peer, mode in zip(self.ordered_peer_ids, self.modes) if mode != AveragingMode.AUX]
+        self.my_mode = self.modes[self.ordered_peer_ids.index(self.peer_id)]
+        self.dials: List[PeerID] = []
+        self.serves: List[PeerID] = []
+        if self.my_mode != AveragingMode.AUX:
+            for peer in self.senders:
+                if peer != self.peer_id:
+                    dialer = self._dialer(peer)
+                    if dialer == self.peer_id:
+                        self.dials.append(peer)
+                    elif dialer == peer:
+                        self.serves.append(peer)
+        self.received: Dict[PeerID, Tuple[bytes, float]] = {}
+        self._started: Dict[PeerID, asyncio.Event] = {peer: asyncio.Event() for peer in self.serves}
+        self._finished: Dict[PeerID, asyncio.Event] = {peer: asyncio.Event() for peer in self.serves}
+
+    def _dialer(self, other: PeerID) -> Optional[PeerID]:
+        """Who opens the stream between this peer and ``other`` (None: two clients, nobody can)."""
+        mine = self.my_mode == AveragingMode.CLIENT
+        theirs = self.modes[self.ordered_peer_ids.index(other)] == AveragingMode.CLIENT
+        if mine and theirs:
+            return None
+        if mine != theirs:
+            return self.peer_id if mine else other
+        return min(self.peer_id, other, key=self.ordered_peer_ids.index)
+
+    # ------------------------------------------------------------------------------------------- messages
+
+    def _messages(self, code: int) -> List[averaging_pb2.AveragingData]:
+        pieces = [self.payload[i : i + PIECE_BYTES] for i in range(0, len(self.payload), PIECE_BYTES)] or [b""]
+        return [
+            averaging_pb2.AveragingData(
+                code=code,
+                group_id=self.group_id if index == 0 else b"",
+                tensor_part=runtime_pb2.Tensor(buffer=piece),
+                weight=self.weight,
+            )
+            for index, piece in enumerate(pieces)
+        ]
+
+    async def _read_payload(self, stream: AsyncIterator[averaging_pb2.AveragingData], peer: PeerID, code: int):
+        """Collect a peer's payload: at most ``payload_bytes`` bytes (more is refused), its first weight."""
+        received, weight, size = [], None, 0
+        async for message in aiter_with_timeout(stream, self.sender_timeout):
+            if weight is None:
+                if message.code != code:
+                    raise ValueError(f"{peer} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                weight = float(message.weight)
+            size += len(message.tensor_part.buffer)
+            if size > self.payload_bytes:
+                raise ValueError(f"{peer} sent more than the {self.payload_bytes} bytes of this run's payloads")
+            received.append(message.tensor_part.buffer)
+            if size == self.payload_bytes:
+                break
+        if weight is None:
+            raise ValueError(f"{peer} sent nothing")
+        self.received[peer] = (b"".join(received), weight)
+
+    # ------------------------------------------------------------------------------------------- run
+
+    async def _dial(self, peer: PeerID) -> None:
+        stub = self._servicer_type.get_stub(self._p2p, peer, namespace=self._prefix)
+
+        async def requests():
+            for message in self._messages(averaging_pb2.PART_FOR_AVERAGING):
+                yield message
+
+        stream = await stub.rpc_aggregate_part(requests())
+        await self._read_payload(stream, peer, averaging_pb2.AVERAGED_PART)
+
+    async def _await_served(self, peer: PeerID) -> None:
+        await asyncio.wait_for(self._started[peer].wait(), self.sender_timeout)
+        await self._finished[peer].wait()
+
+    async def run(self) -> List[Tuple[PeerID, bytes, float]]:
+        """(peer, payload, weight) of this peer and of every sender heard from, in the group's order; payloads
+        other than this peer's own are unchecked (``SparseCodec.check`` them)."""
+        if self.my_mode == AveragingMode.AUX:
+            return []
+        tasks = {peer: asyncio.create_task(self._dial(peer)) for peer in self.dials}
+        tasks.update({peer: asyncio.create_task(self._await_served(peer)) for peer in self.serves})
+        try:
+            await asyncio.wait(tasks.values())
+        finally:
+            for task in tasks.values():
+                task.cancel()
+        for peer, task in tasks.items():
+            if task.cancelled() or task.exception() is not None or peer not in self.received:
+                reason = "no reply in time" if task.cancelled() else repr(task.exception())
+                logger.warning("Sparse averaging: no contribution from %s (%s)", peer, reason)
+        self.received[self.peer_id] = (self.payload, self.weight)
+        return [(peer, *self.received[peer]) for peer in self.senders if peer in self.received]
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A groupmate that dials this peer: its payload in, this peer's payload out (concurrently)."""
+        peer = context.remote_id
+        if peer not in self._started or self._started[peer].is_set():
+            logger.warning("Sparse averaging: refused a stream from %s (not a peer that dials this one)", peer)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        self._started[peer].set()
+        reading = asyncio.create_task(self._read_payload(stream, peer, averaging_pb2.PART_FOR_AVERAGING))
+        try:
+            for message in self._messages(averaging_pb2.AVERAGED_PART):
+                yield message
+            await reading
+        except Exception as e:
+            logger.warning("Sparse averaging: the stream from %s failed: %r", peer, e)
+        finally:
+            reading.cancel()
+            self._finished[peer].set()
+
+
+class SparsePseudoGradientAverager(PseudoGradientAverager):
+    """``PseudoGradientAverager`` whose round is ``SparseAllGather`` of payloads compressed with error feedback.
+
+    ``feedback`` (its buffer in shared memory, so the training process can save it in backups and reset it after a
+    state download) holds what this peer still owes the swarm. Its class name names its RPCs: dense and sparse peers
+    of one run never average with each other."""
+
+    def __init__(self, parameters, *, density: float, bits: int, chunk: int, feedback_decay: float = 1.0, **kwargs):
+        parameters = tuple(parameters)
+        self.codec = SparseCodec(total=sum(p.numel() for p in parameters), density=density, bits=bits, chunk=chunk)
+        # in shared memory before hivemind forks the averager process
+        self.feedback = ErrorFeedback(self.codec, decay=feedback_decay).share_memory()
+        super().__init__(parameters, **kwargs)
+
+    @timed_allreduce
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info, group_id: Optional[bytes] = None, **kwargs
+    ):
+        group_id = group_info.group_id if group_id is None else group_id
+        fractions = kwargs.get("peer_fractions") or (1.0,) * len(group_info.peer_ids)
+        modes = kwargs.get("modes") or tuple(
+            AveragingMode.CLIENT if fraction == 0 else AveragingMode.NODE for fraction in fractions
+        )
+        aux = modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX
+        weight = kwargs.get("weight")
+        weight = float(not aux) if weight is None else weight
+        loop = asyncio.get_event_loop()
+        payload, own, residual = b"", None, None
+        if not aux:
+            payload, own, residual = await loop.run_in_executor(None, self.feedback.compress, flatten(tensors))
+        runner = SparseAllGather(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            modes=modes,
+            weight=weight,
+            payload=payload,
+            payload_bytes=self.codec.payload_bytes,
+            sender_timeout=kwargs.get("sender_timeout") or self.next_chunk_timeout or 30.0,
+        )
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+        gathered = await runner.run()
+        if aux:
+            return
+        averaged = await loop.run_in_executor(None, self._aggregate, gathered, own)
+        offset, refused = 0, 0
+        for tensor in tensors:
+            size = tensor.numel()
+            update = averaged[offset : offset + size].view_as(tensor).to(tensor.dtype) - tensor
+            offset += size
+            refused += keep_local_where_not_finite(update)
+            tensor.add_(update, alpha=self._averaging_alpha)
+        if refused:
+            logger.warning("Sparse averaging: %d NaN/inf averaged values; kept the local values there", refused)
+        self.feedback.commit(residual)  # the round succeeded: what was sent is no longer owed
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
+
+    def _aggregate(self, gathered, own: torch.Tensor) -> torch.Tensor:
+        sizes = [parameter.numel() for parameter in self.parameters]
+        averaged, _ = aggregate_contributions(
+            self.codec, gathered, self.peer_id, own, sizes, self.policy.contribution_clip
+        )
+        return averaged
+
+
+def aggregate_contributions(
+    codec: SparseCodec,
+    gathered: Sequence[Tuple[PeerID, bytes, float]],
+    own_peer: PeerID,
+    own: torch.Tensor,
+    sizes: Sequence[int],
+    clip_factor: float,
+) -> Tuple[torch.Tensor, List[PeerID]]:
+    """(``bounded_mean`` of the contributions that pass ``codec.check``, tensor by tensor; the peers refused).
+
+    Every peer of a group calls it with the same contributions in the same order, so all get the same average."""
+    parts, weights, refused = [], [], []
+    for peer, payload, weight in gathered:
+        if peer == own_peer:
+            parts.append(own)
+        else:
+            reason = codec.check(payload)
+            if reason is not None:
+                logger.warning("Sparse averaging: refused the contribution of %s: %s", peer, reason)
+                refused.append(peer)
+                continue
+            parts.append(codec.decode(payload))
+        weights.append(weight)
+    pieces, offset = [], 0
+    for size in sizes:
+        pieces.append(bounded_mean([part[offset : offset + size] for part in parts], weights, clip_factor))
+        offset += size
+    return torch.cat(pieces), refused
