@@ -48,9 +48,11 @@ State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
   state's size (first chunk within load_state_timeout, then ``STATE_CHUNK_TIMEOUT`` per chunk; hivemind's 3 s
   per-request timeout cut real downloads) and at most the expected size; only a state that passed
   ``check_downloaded_state`` (structure, shapes, dtypes, finiteness, epoch bounds, optimizer hyper-parameters and
-  8-bit state sizes) is handed over, so nothing is half applied. It uses the private ``_matchmaking`` (the
-  declarations' key), ``serializer``, ``next_chunk_timeout``; the host sends the epoch bounds through the private
-  ``_outer_pipe``.
+  8-bit state sizes) is handed over, so nothing is half applied. Each tensor is deserialized only after its declared
+  shape and dtype equal the local layout and its buffer holds exactly that many bytes (``checked_tensor``): a stream
+  cut short (a relay circuit's 128 KiB limit) is refused by name, not reshaped. It uses the private
+  ``_matchmaking`` (the declarations' key), ``serializer``, ``next_chunk_timeout``; the host sends the epoch bounds
+  through the private ``_outer_pipe``.
 - ``load_state_from_peers`` / ``_update_scheduler`` (private) / ``step`` / ``get_current_state``: tell whether a
   download was applied (hivemind returns quietly when nobody answers), label the served state with the epoch its
   parameters are really at, snapshot it under ``lock_optimizer`` and refuse to serve NaN/inf.

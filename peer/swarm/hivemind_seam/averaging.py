@@ -21,7 +21,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.nested import nested_flatten, nested_pack
@@ -231,6 +231,36 @@ MIN_STATE_RATE = 250_000.0
 state's size it bounds a download that trickles forever (``state_download_seconds``)."""
 MAX_RETRY_PAUSE = 5.0
 """The longest pause before the peers that declared their state are asked again (``StateDownloadSettings``)."""
+
+
+class IncompleteStateError(ValueError):
+    """A downloaded state (or part of it) is shorter or longer than the shapes and dtypes it declares: refused before
+    anything is reshaped or applied."""
+
+
+def checked_tensor(serialized, index: int, layout: Sequence[Tuple[torch.Size, torch.dtype]]) -> torch.Tensor:
+    """Tensor ``index`` of a downloaded state, deserialized only once its declaration (shape, dtype, no compression)
+    equals this peer's layout and its buffer holds exactly that many bytes.
+
+    A stream cut short (a libp2p relay circuit ends at 128 KiB) used to reach hivemind's reshape with part of a
+    tensor: ``RuntimeError: shape '[4096, 128]' is invalid for input of size 32768``. States are served without
+    compression (``load_state_compression=NoCompression()``), so the size is exact."""
+    if index >= len(layout):
+        raise IncompleteStateError(f"it sent more than the state's {len(layout)} tensors")
+    shape, dtype = layout[index]
+    declared = (tuple(serialized.size), serialized.dtype)
+    expected = (tuple(shape), str(dtype).replace("torch.", ""))
+    if serialized.compression != runtime_pb2.CompressionType.NONE:
+        raise IncompleteStateError(f"its tensor {index} is compressed; states are served uncompressed")
+    if declared != expected:
+        raise IncompleteStateError(f"its tensor {index} declares {declared}, this peer's state has {expected}")
+    size = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    if len(serialized.buffer) != size:
+        raise IncompleteStateError(
+            f"its tensor {index} {expected} arrived with {len(serialized.buffer)} of its {size} bytes (a cut "
+            f"connection, e.g. a relayed circuit's data limit); nothing of it was applied"
+        )
+    return deserialize_torch_tensor(serialized)
 
 
 def state_download_seconds(state_bytes: int, first_chunk_timeout: float) -> float:
@@ -495,6 +525,7 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
     async def _download_from(self, peer: PeerID, expected_bytes: int, first_chunk_timeout: float):
         """One peer's state: the first chunk within ``first_chunk_timeout``, every next one within
         ``STATE_CHUNK_TIMEOUT``, no more than the expected size (plus slack) in all."""
+        layout, _ = self._layout()
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await asyncio.wait_for(
             stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout=first_chunk_timeout
@@ -517,7 +548,7 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
                 if message.metadata:
                     metadata = self.serializer.loads(message.metadata)
                 if message.tensor_part.dtype and parts:
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    tensors.append(checked_tensor(combine_from_streaming(parts), len(tensors), layout))
                     parts = []
                 parts.append(message.tensor_part)
         finally:  # an abandoned download must not keep the server sending
@@ -528,9 +559,14 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
                 except Exception:
                     pass
         if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            tensors.append(checked_tensor(combine_from_streaming(parts), len(tensors), layout))
         if not metadata:
             raise ValueError("it sent no state (it does not share its state now)")
+        if len(tensors) != len(layout):
+            raise IncompleteStateError(
+                f"the stream ended after {received} bytes with {len(tensors)} of the state's {len(layout)} tensors "
+                f"(a cut connection, e.g. a relayed circuit's data limit); nothing of it was applied"
+            )
         return metadata, tensors
 
     def get_current_state(self):

@@ -1,0 +1,136 @@
+"""A state donor for the download tests: a real hivemind peer with LeanHive's real optimizer (8-bit LAMB, the real
+``LeanHiveStateAverager``) over a small model built from ``--seed``, that only serves its state.
+
+    python -m benchmarks.testbed.state_donor --run_id RUN --ready FILE [--initial_peers ...] [--mode MODE]
+
+Donors built from the same seed hold bit-identical states (the same model, the same freshly initialized optimizer
+statistics), as the peers of a healthy synchronous swarm do after an epoch. ``--ready`` gets a JSON object
+(peer_id, initial_peers) once the state is declared; ``--state_out`` gets the served tensors (torch.save) so that
+a test can compare what a joiner ends with.
+
+Modes (how it serves):
+- ``honest``: as every trainer does.
+- ``cut``: the whole-state stream ends cleanly after ``--cut_bytes`` bytes, as a relayed libp2p circuit does at its
+  128 KiB data limit (the joiner used to reshape what it had and fail with a shape error).
+- ``wrong_part``: part ``--wrong_part`` of the partitioned state is served with every byte of it flipped: well
+  formed (right size, finite values are not guaranteed either way, so the digest is what must catch it), while
+  the manifest it announces is the honest one.
+- ``wrong_manifest``: the same wrong part, and a manifest that matches it (this donor's digest is then outvoted).
+
+``--serve_rate`` bounds the bytes per second it sends (0: unbounded), so that a test can kill it mid-download.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+import hivemind
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+
+from benchmarks.testbed.processes import share_tensors_by_file_descriptor
+from peer.swarm.config import CollaborationArguments, OptimizerArguments
+from peer.swarm.hivemind_seam import LeanHiveStateAverager
+from peer.swarm.network import make_validators
+from peer.swarm.optimizer import build_optimizer
+
+logger = logging.getLogger("state_donor")
+
+MODES = ("honest", "cut", "wrong_part", "wrong_manifest")
+
+
+def make_model(seed: int, width: int = 4096, inner: int = 128) -> torch.nn.Module:
+    """The model of donors and joiners: its first weight is [4096, 128], the shape of the relay-cut report."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(inner, width), torch.nn.ReLU(), torch.nn.Linear(width, inner))
+
+
+def make_optimizer(model, dht, run_id: str, key, **collab_kwargs):
+    collab = CollaborationArguments(target_batch_size=4, matchmaking_time=1.0, **collab_kwargs)
+    return build_optimizer(
+        model=model,
+        dht=dht,
+        run_id=run_id,
+        signing_key=key,
+        batch_size_per_step=4,
+        collab=collab,
+        optim=OptimizerArguments(),
+        client_mode=False,
+    )
+
+
+def _cut_stream(limit: int):
+    """rpc_download_state that ends cleanly after ``limit`` bytes (a relay circuit's data limit)."""
+    original = LeanHiveStateAverager.rpc_download_state
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        sent = 0
+        async for message in original(self, request, context):
+            sent += message.ByteSize()
+            if sent > limit:
+                logger.info("Cut the state stream after %d bytes", sent - message.ByteSize())
+                return
+            yield message
+
+    return rpc_download_state
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--initial_peers", nargs="*", default=[])
+    parser.add_argument("--run_id", required=True)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--mode", choices=MODES, default="honest")
+    parser.add_argument("--cut_bytes", type=int, default=128 * 1024)
+    parser.add_argument("--wrong_part", type=int, default=0)
+    parser.add_argument("--serve_rate", type=float, default=0.0)
+    parser.add_argument("--max_joiners", type=int, default=None)
+    parser.add_argument("--ready", required=True)
+    parser.add_argument("--state_out", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    # class attributes, set before the averager process is forked (it inherits them)
+    if args.mode == "cut":
+        LeanHiveStateAverager.rpc_download_state = _cut_stream(args.cut_bytes)
+    if args.mode in ("wrong_part", "wrong_manifest"):
+        LeanHiveStateAverager.serve_wrong_part = (args.wrong_part, args.mode == "wrong_manifest")
+    if args.serve_rate > 0:
+        LeanHiveStateAverager.serve_rate_limit = args.serve_rate
+    share_tensors_by_file_descriptor()
+    key = RSAPrivateKey()
+    dht = hivemind.DHT(
+        start=True,
+        initial_peers=args.initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        record_validators=make_validators(args.run_id, key)[0],
+    )
+    extra = {} if args.max_joiners is None else {"serve_max_joiners": args.max_joiners}
+    optimizer = make_optimizer(make_model(args.seed), dht, args.run_id, key, **extra)
+    if args.state_out:
+        _, tensors, _ = optimizer.state_averager.get_current_state()
+        torch.save([t.clone() for t in tensors], args.state_out)
+    time.sleep(2.0)  # the state declaration reaches the DHT
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    Path(args.ready).write_text(json.dumps({"peer_id": dht.peer_id.to_base58(), "initial_peers": maddrs}))
+    logger.info("Serving the state (%s) as %s", args.mode, dht.peer_id)
+    try:
+        while True:
+            time.sleep(1.0)
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
