@@ -17,12 +17,15 @@ Modes (how it serves):
   the manifest it announces is the honest one.
 - ``wrong_manifest``: the same wrong part, and a manifest that matches it (this donor's digest is then outvoted).
 
-``--serve_rate`` bounds the bytes per second it sends (0: unbounded), so that a test can kill it mid-download.
+``--serve_rate`` bounds the bytes per second it sends parts at (0: unbounded), so that a test can kill it
+mid-download; ``--part_bytes`` sets its partition; ``--no_parts`` removes the part RPC (a peer that serves only
+hivemind's whole-state stream).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import sys
@@ -41,6 +44,7 @@ from peer.swarm.config import CollaborationArguments, OptimizerArguments
 from peer.swarm.hivemind_seam import LeanHiveStateAverager
 from peer.swarm.network import make_validators
 from peer.swarm.optimizer import build_optimizer
+from peer.swarm.state_parts import DEFAULT_PART_BYTES
 
 logger = logging.getLogger("state_donor")
 
@@ -67,22 +71,68 @@ def make_optimizer(model, dht, run_id: str, key, **collab_kwargs):
     )
 
 
-def _cut_stream(limit: int):
-    """rpc_download_state that ends cleanly after ``limit`` bytes (a relay circuit's data limit)."""
-    original = LeanHiveStateAverager.rpc_download_state
+async def _cut(stream, limit: int):
+    sent = 0
+    async for message in stream:
+        sent += message.ByteSize()
+        if sent > limit:
+            logger.info("Cut the state stream after %d bytes", sent - message.ByteSize())
+            return
+        yield message
+
+
+def _cut_streams(limit: int) -> None:
+    """Both state RPCs end cleanly after ``limit`` bytes per stream (a relay circuit's data limit)."""
+    whole, part = LeanHiveStateAverager.rpc_download_state, LeanHiveStateAverager.rpc_download_state_part
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        sent = 0
-        async for message in original(self, request, context):
-            sent += message.ByteSize()
-            if sent > limit:
-                logger.info("Cut the state stream after %d bytes", sent - message.ByteSize())
-                return
+        async for message in _cut(whole(self, request, context), limit):
             yield message
 
-    return rpc_download_state
+    async def rpc_download_state_part(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in _cut(part(self, request, context), limit):
+            yield message
+
+    LeanHiveStateAverager.rpc_download_state = rpc_download_state
+    LeanHiveStateAverager.rpc_download_state_part = rpc_download_state_part
+
+
+def _serve_wrong_part(wrong: int, announce_it: bool) -> None:
+    """Part ``wrong`` is served with every byte flipped: well formed (the right size), wrong. With ``announce_it``
+    the manifest is built over the wrong state too (its root then differs from the honest donors')."""
+    honest_bytes = LeanHiveStateAverager._part_bytes
+
+    def _part_bytes(self, snapshot, part, start, end):
+        data = honest_bytes(self, snapshot, part, start, end)
+        if part == wrong:
+            logger.info("Serving a wrong part %d", part)
+            return bytes(b ^ 0xFF for b in data)
+        return data
+
+    LeanHiveStateAverager._part_bytes = _part_bytes
+    if announce_it:
+        import peer.swarm.hivemind_seam.state_transfer as transfer
+
+        honest_flatten = transfer.flatten
+
+        def wrong_flatten(tensors):
+            buffer = honest_flatten(tensors)
+            start = wrong * LeanHiveStateAverager.serve_part_bytes
+            buffer[start : start + LeanHiveStateAverager.serve_part_bytes] ^= 0xFF
+            return buffer
+
+        transfer.flatten = wrong_flatten
+
+
+def _pace(rate: float) -> None:
+    async def pace(self, nbytes: int) -> None:
+        await asyncio.sleep(nbytes / rate)
+
+    LeanHiveStateAverager._pace = pace
 
 
 def main(argv) -> int:
@@ -94,6 +144,8 @@ def main(argv) -> int:
     parser.add_argument("--cut_bytes", type=int, default=128 * 1024)
     parser.add_argument("--wrong_part", type=int, default=0)
     parser.add_argument("--serve_rate", type=float, default=0.0)
+    parser.add_argument("--part_bytes", type=int, default=DEFAULT_PART_BYTES)
+    parser.add_argument("--no_parts", action="store_true")
     parser.add_argument("--max_joiners", type=int, default=None)
     parser.add_argument("--ready", required=True)
     parser.add_argument("--state_out", default=None)
@@ -101,12 +153,15 @@ def main(argv) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     # class attributes, set before the averager process is forked (it inherits them)
+    LeanHiveStateAverager.serve_part_bytes = args.part_bytes
+    if args.no_parts:  # an older peer: hivemind's whole-state stream only
+        LeanHiveStateAverager.rpc_download_state_part = None
     if args.mode == "cut":
-        LeanHiveStateAverager.rpc_download_state = _cut_stream(args.cut_bytes)
+        _cut_streams(args.cut_bytes)
     if args.mode in ("wrong_part", "wrong_manifest"):
-        LeanHiveStateAverager.serve_wrong_part = (args.wrong_part, args.mode == "wrong_manifest")
+        _serve_wrong_part(args.wrong_part, args.mode == "wrong_manifest")
     if args.serve_rate > 0:
-        LeanHiveStateAverager.serve_rate_limit = args.serve_rate
+        _pace(args.serve_rate)
     share_tensors_by_file_descriptor()
     key = RSAPrivateKey()
     dht = hivemind.DHT(

@@ -137,15 +137,21 @@ class Manifest:
 
 
 def group_by_root(manifests: Dict[object, Manifest]) -> List[List[object]]:
-    """Donors grouped by the root they announce, the largest group first (ties: the higher epoch, then by chance):
-    donors of one group hold the same state bit for bit; a donor alone against a majority is outvoted."""
+    """Donors grouped by the root they announce, the largest group first (ties: the higher epoch, then the group of
+    the donor listed first, i.e. the best-ranked candidate): donors of one group hold the same state bit for bit; a
+    donor alone against a majority is outvoted. Each group is shuffled: joiners spread over its donors."""
     groups: Dict[bytes, List[object]] = {}
-    for donor, manifest in manifests.items():
+    first: Dict[bytes, int] = {}
+    for index, (donor, manifest) in enumerate(manifests.items()):
         groups.setdefault(manifest.root, []).append(donor)
-    ordered = sorted(groups.values(), key=lambda g: (len(g), manifests[g[0]].epoch, random.random()), reverse=True)
-    for group in ordered:
-        random.shuffle(group)  # joiners spread over the donors of a group
-    return ordered
+        first.setdefault(manifest.root, index)
+    ordered = sorted(groups, key=lambda root: (-len(groups[root]), -manifests[groups[root][0]].epoch, first[root]))
+    result = []
+    for root in ordered:
+        group = groups[root]
+        random.shuffle(group)
+        result.append(group)
+    return result
 
 
 @dataclass

@@ -53,6 +53,13 @@ State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
   cut short (a relay circuit's 128 KiB limit) is refused by name, not reshaped. It uses the private
   ``_matchmaking`` (the declarations' key), ``serializer``, ``next_chunk_timeout``; the host sends the epoch bounds
   through the private ``_outer_pipe``.
+- ``rpc_download_state_part`` (a new RPC, hivemind's ``DownloadData`` message both ways) and ``_download_in_parts``
+  (``state_transfer.py``, mixed in before hivemind's classes): the state from up to ``max_donors`` donors at once,
+  part by part, each part checked against the digests its donors announce; a donor serves at most
+  ``serve_max_joiners`` joiners (others are told it is busy; hivemind's ``rpc_download_state`` is admitted by the same
+  bound) and pauses serving while its own averaging round runs (``round_running``, set by the host around the
+  gradient round and here around ``_run_allreduce_inplace_``). The snapshot comes through the private
+  ``_get_current_state_from_host_process``.
 - ``load_state_from_peers`` / ``_update_scheduler`` (private) / ``step`` / ``get_current_state``: tell whether a
   download was applied (hivemind returns quietly when nobody answers), label the served state with the epoch its
   parameters are really at, snapshot it under ``lock_optimizer`` and refuse to serve NaN/inf.
@@ -266,6 +273,13 @@ OVERRIDDEN_METHODS = [
         "(self, maybe_step_control: 'Optional[StepControl]')",
     ),
     (hivemind.Optimizer, "__del__", "(self)"),
+    # state_transfer.py (several donors at once): the whole-state stream is admitted by the serving bound
+    (
+        _DA,
+        "rpc_download_state",
+        "(self, _request: 'averaging_pb2.DownloadRequest', _context: 'P2PContext') -> "
+        "'AsyncIterator[averaging_pb2.DownloadData]'",
+    ),
 ]
 # private (or internal) hivemind attributes used here: (module, class name, attribute), checked by the same test
 PRIVATE_ATTRIBUTES = [
@@ -305,4 +319,6 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.averaging.allreduce", "AllReduceRunner", "weight"),
     # patched by the tests' fault entry point (a peer that sends parts of the wrong shape)
     ("hivemind.averaging.allreduce", "AllReduceRunner", "_generate_input_for_peer"),
+    # state_transfer.py: the donor's snapshot comes from the host process as hivemind's own download takes it
+    ("hivemind.averaging.averager", "DecentralizedAverager", "_get_current_state_from_host_process"),
 ]

@@ -29,6 +29,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
+from peer.swarm.hivemind_seam.state_transfer import NoPartDonors, PartedStateTransfer
 from peer.swarm.hivemind_seam.timing import report_round, round_outcome, timed_allreduce, timed_phase
 from peer.swarm.keys import outer_averager_prefix, state_averager_prefix
 from peer.swarm.robust import (
@@ -289,10 +290,19 @@ class StateDownloadSettings:
     bounded by the state's size (``state_download_seconds``)."""
     retry_pause: float = 2.0
     """Seconds before the peers are asked again, times the number of such pauses in the request so far."""
+    max_donors: int = 3
+    """At most this many donors send disjoint parts of the state at once (--max_donors; state_transfer.py)."""
+    serve_max_joiners: int = 2
+    """This peer serves its state to at most this many joiners at a time; others are told it is busy
+    (--serve_max_joiners)."""
 
     def __post_init__(self):
         if not (isinstance(self.attempts, int) and self.attempts >= 1):
             raise ValueError(f"attempts must be an integer >= 1, got {self.attempts!r}")
+        for name in ("max_donors", "serve_max_joiners"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     def pause(self, pauses_before: int) -> float:
         """The pause before the peers are asked again, when ``pauses_before`` pauses were made in this request."""
@@ -352,7 +362,7 @@ def _check_optimizer_metadata(local_state: dict, remote_flat) -> Optional[str]:
     return None
 
 
-class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
+class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingStateAverager):
     """TrainingStateAverager that can tell whether a state download was applied (hivemind returns quietly when
     nobody answers), serves consistent and finite snapshots, applies ``policy`` (allowlist for its RPCs, bounded
     contributions, finite downloads only) and downloads by ``download_settings`` (one retry policy)."""
@@ -360,6 +370,7 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
     def __init__(self, *args, download_settings: StateDownloadSettings = StateDownloadSettings(), **kwargs):
         # all set before hivemind's __init__, which forks the averager process (it inherits them)
         self.download_settings = download_settings
+        self.serve_max_joiners = download_settings.serve_max_joiners
         self.applied_epoch: Optional[int] = None  # the epoch of the last download, if it was applied
         self._loading = False  # a download is being applied (host process)
         # The epoch the parameters really are at, while local_epoch runs ahead of them: hivemind bumps local_epoch
@@ -390,8 +401,7 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
             self._local_layout = (layout, self.optimizer.state_dict())
         return self._local_layout
 
-    def check_downloaded_state(self, metadata, tensors) -> Optional[str]:
-        """Why a downloaded state must not be applied, or None: it is checked completely before any of it is."""
+    def _check_epoch(self, metadata) -> Optional[str]:
         if not isinstance(metadata, dict):
             return "its metadata is not a dictionary"
         epoch = metadata.get("epoch")
@@ -401,6 +411,21 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
             return f"its epoch {epoch} is beyond the swarm's consensus (at most {self._max_download_epoch})"
         if self._min_download_epoch is not None and epoch < self._min_download_epoch:
             return f"its epoch {epoch} is behind this peer's ({self._min_download_epoch}); it may catch up"
+        return None
+
+    def check_downloaded_metadata(self, metadata) -> Optional[str]:
+        """Why a state announced with ``metadata`` must not be downloaded (epoch bounds, hyper-parameters), or None:
+        checked before any part of it is fetched."""
+        reason = self._check_epoch(metadata)
+        if reason is None:
+            reason = _check_optimizer_metadata(self._layout()[1], metadata.get("optimizer_metadata"))
+        return reason
+
+    def check_downloaded_state(self, metadata, tensors) -> Optional[str]:
+        """Why a downloaded state must not be applied, or None: it is checked completely before any of it is."""
+        reason = self._check_epoch(metadata)
+        if reason is not None:
+            return reason
         layout, local_state = self._layout()
         if not isinstance(tensors, (list, tuple)) or len(tensors) != len(layout):
             return f"it has {len(tensors)} tensors, this peer's state has {len(layout)}"
@@ -481,21 +506,36 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
         began = time.monotonic()
         deadline = began + settings.request_seconds(expected)
         asked, pauses = set(), 0
+        excluded = set()  # donors that failed or served a wrong part in this request: not asked again
         for attempt in range(1, settings.attempts + 1):
-            candidates = [peer for peer in self._state_candidates() if peer not in asked]
+            candidates = [peer for peer in self._state_candidates() if peer not in asked and peer not in excluded]
             if not candidates and attempt > 1:
                 await asyncio.sleep(settings.pause(pauses))
                 pauses += 1
                 asked.clear()
-                candidates = self._state_candidates()
+                candidates = [peer for peer in self._state_candidates() if peer not in excluded]
             if not candidates:
                 logger.info("No peer declared its state for download (attempt %d of %d)", attempt, settings.attempts)
                 continue
-            peer = candidates[0]
-            asked.add(peer)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            try:  # several donors at once, part by part (state_transfer.py)
+                loaded = await self._download_in_parts(candidates, excluded, deadline)
+                if loaded is not None:
+                    return loaded
+                logger.warning("No complete state from the donors (attempt %d of %d)", attempt, settings.attempts)
+                if attempt < settings.attempts:  # busy donors may be free then; a resumed download keeps its parts
+                    await asyncio.sleep(settings.pause(pauses))
+                    pauses += 1
+                continue
+            except NoPartDonors:
+                pass  # peers that serve only the whole state (hivemind's stream): one of them, as before
+            except Exception as e:
+                logger.warning("The download in parts failed (attempt %d of %d): %r", attempt, settings.attempts, e)
+                continue
+            peer = candidates[0]
+            asked.add(peer)
             started = time.monotonic()
             try:
                 metadata, tensors = await asyncio.wait_for(
@@ -568,6 +608,13 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
                 f"(a cut connection, e.g. a relayed circuit's data limit); nothing of it was applied"
             )
         return metadata, tensors
+
+    async def _run_allreduce_inplace_(self, *args, **kwargs):
+        self.round_running.set()  # serving pauses between chunks (state_transfer.py)
+        try:
+            return await super()._run_allreduce_inplace_(*args, **kwargs)
+        finally:
+            self.round_running.clear()
 
     def get_current_state(self):
         """The state served to a joining peer (or an aux peer's checkpoint): one consistent snapshot, labelled
@@ -730,8 +777,16 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             pass
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
-        with timed_phase("grad_wait"):  # for the phase observers (timing.py)
-            result = super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        # this peer's serving of its state yields to the round (state_transfer.py)
+        round_running = getattr(getattr(self, "state_averager", None), "round_running", None)
+        if round_running is not None:
+            round_running.set()
+        try:
+            with timed_phase("grad_wait"):  # for the phase observers (timing.py)
+                result = super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        finally:
+            if round_running is not None:
+                round_running.clear()
         if maybe_step_control is not None:  # None: hivemind saw no other peer to average with
             report_round(*round_outcome(maybe_step_control))
         return result
