@@ -28,10 +28,11 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, List
 
 import hivemind
 import torch
@@ -39,7 +40,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from benchmarks.testbed.processes import share_tensors_by_file_descriptor
+from benchmarks.testbed.processes import PeerProcess, share_tensors_by_file_descriptor
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
 from peer.swarm.hivemind_seam import LeanHiveStateAverager
 from peer.swarm.network import make_validators
@@ -146,6 +147,8 @@ def main(argv) -> int:
     parser.add_argument("--serve_rate", type=float, default=0.0)
     parser.add_argument("--part_bytes", type=int, default=DEFAULT_PART_BYTES)
     parser.add_argument("--no_parts", action="store_true")
+    parser.add_argument("--width", type=int, default=4096, help="the model's hidden width (the state's size)")
+    parser.add_argument("--host", default="127.0.0.1", help="the address it listens on")
     parser.add_argument("--max_joiners", type=int, default=None)
     parser.add_argument("--ready", required=True)
     parser.add_argument("--state_out", default=None)
@@ -167,11 +170,11 @@ def main(argv) -> int:
     dht = hivemind.DHT(
         start=True,
         initial_peers=args.initial_peers,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        host_maddrs=[f"/ip4/{args.host}/tcp/0"],
         record_validators=make_validators(args.run_id, key)[0],
     )
     extra = {} if args.max_joiners is None else {"serve_max_joiners": args.max_joiners}
-    optimizer = make_optimizer(make_model(args.seed), dht, args.run_id, key, **extra)
+    optimizer = make_optimizer(make_model(args.seed, width=args.width), dht, args.run_id, key, **extra)
     if args.state_out:
         _, tensors, _ = optimizer.state_averager.get_current_state()
         torch.save([t.clone() for t in tensors], args.state_out)
@@ -185,6 +188,94 @@ def main(argv) -> int:
     finally:
         optimizer.shutdown()
         dht.shutdown()
+
+
+# ------------------------------------------------------------------------------- for tests and fault scenarios
+
+seam_logger = logging.getLogger("peer.swarm.hivemind_seam.averaging")
+
+
+def start_donor(folder: Path, name: str, run_id: str, *args, initial_peers=()) -> PeerProcess:
+    ready = folder / f"{name}.ready"
+    extra = ["--initial_peers", *initial_peers] if initial_peers else []
+    peer = PeerProcess(
+        ["--run_id", run_id, "--ready", ready, "--state_out", folder / f"{name}.pt", *extra, *args],
+        name=name,
+        log_path=folder / f"{name}.log",
+        module="benchmarks.testbed.state_donor",
+    ).start()
+    peer.ready_path = ready
+    return peer
+
+
+def wait_ready(peer: PeerProcess, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while not peer.ready_path.exists():
+        if peer.poll() is not None:
+            raise RuntimeError(f"{peer.name} exited with {peer.poll()}:\n{peer.tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{peer.name} was not ready within {timeout:.0f} s:\n{peer.tail()}")
+        time.sleep(0.2)
+    return json.loads(peer.ready_path.read_text())
+
+
+class Joiner:
+    """A joining peer in this process: the same model from another seed, LeanHive's real optimizer."""
+
+    def __init__(self, run_id: str, initial_peers: List[str], log_path: Path, **collab):
+        share_tensors_by_file_descriptor()
+        # the download runs in the averager process (forked below): it inherits this handler
+        self.log_path = log_path
+        self.handler = logging.FileHandler(log_path)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        seam_logger.addHandler(self.handler)
+        seam_logger.setLevel(logging.INFO)  # the download's summary line (parts per donor) is INFO
+        key = RSAPrivateKey()
+        self.dht = hivemind.DHT(
+            start=True,
+            initial_peers=initial_peers,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            record_validators=make_validators(run_id, key)[0],
+        )
+        self.optimizer = make_optimizer(make_model(seed=2), self.dht, run_id, key, **collab)
+        seam_logger.removeHandler(self.handler)  # the forked averager process keeps its copy; other joiners log apart
+        self.optimizer.state_averager.allow_state_sharing = False  # its own fresh state is no one's to take
+
+    def state(self) -> list:
+        _, tensors, _ = self.optimizer.state_averager.get_current_state()
+        return tensors
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def close(self):
+        self.optimizer.shutdown()
+        self.dht.shutdown()
+        self.handler.close()
+
+
+def start_donors(folder: Path, run_id: str, specs, part_bytes: int = 256 << 10) -> List[PeerProcess]:
+    """Donors from ``specs`` (name, extra args), the first one the others' initial peer; all ready."""
+    peers, join = [], []
+    for name, args in specs:
+        peers.append(start_donor(folder, name, run_id, "--part_bytes", str(part_bytes), *args, initial_peers=join))
+        info = wait_ready(peers[-1])
+        peers[-1].peer_id = info["peer_id"]
+        join = join or info["initial_peers"]
+    peers[0].join = join
+    return peers
+
+
+def same_state(joiner: Joiner, donor_file: Path) -> bool:
+    served = torch.load(donor_file, weights_only=True)
+    got = joiner.state()
+    return len(served) == len(got) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(served, got))
+
+
+def parts_from(text: str) -> dict:
+    """peer ID -> parts it delivered, from the joiner's last 'Downloaded the state ... in N parts' line."""
+    line = [row for row in text.splitlines() if "Downloaded the state" in row][-1]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"(12D3\w+): (\d+) parts", line)}
 
 
 if __name__ == "__main__":

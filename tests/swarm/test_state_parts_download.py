@@ -1,86 +1,19 @@
 """State downloads against real donor processes on 127.0.0.1 (benchmarks/testbed/state_donor.py: LeanHive's real
-optimizer and state averager over a small model): a stream cut short is refused before anything is reshaped."""
+optimizer and state averager over a small model): a stream cut short is refused before anything is reshaped; the
+state comes from several donors at once, part by part; a killed donor's parts move; a rogue donor's wrong part is
+found; a cut-off download resumes; a donor serves a bounded number of joiners."""
 
 from __future__ import annotations
 
-import json
-import logging
 import re
 import threading
 import time
-from pathlib import Path
-from typing import List
 
-import hivemind
 import pytest
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
 
-from benchmarks.testbed.processes import PeerProcess, kill_all, share_tensors_by_file_descriptor
-from benchmarks.testbed.state_donor import make_model, make_optimizer
-from peer.swarm.network import make_validators
-
-seam_logger = logging.getLogger("peer.swarm.hivemind_seam.averaging")
-
-
-def start_donor(folder: Path, name: str, run_id: str, *args, initial_peers=()) -> PeerProcess:
-    ready = folder / f"{name}.ready"
-    extra = ["--initial_peers", *initial_peers] if initial_peers else []
-    peer = PeerProcess(
-        ["--run_id", run_id, "--ready", ready, "--state_out", folder / f"{name}.pt", *extra, *args],
-        name=name,
-        log_path=folder / f"{name}.log",
-        module="benchmarks.testbed.state_donor",
-    ).start()
-    peer.ready_path = ready
-    return peer
-
-
-def wait_ready(peer: PeerProcess, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while not peer.ready_path.exists():
-        if peer.poll() is not None:
-            raise RuntimeError(f"{peer.name} exited with {peer.poll()}:\n{peer.tail()}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{peer.name} was not ready within {timeout:.0f} s:\n{peer.tail()}")
-        time.sleep(0.2)
-    return json.loads(peer.ready_path.read_text())
-
-
-class Joiner:
-    """A joining peer in the test process: the same model from another seed, LeanHive's real optimizer."""
-
-    def __init__(self, run_id: str, initial_peers: List[str], log_path: Path, **collab):
-        share_tensors_by_file_descriptor()
-        # the download runs in the averager process (forked below): it inherits this handler
-        self.log_path = log_path
-        self.handler = logging.FileHandler(log_path)
-        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        seam_logger.addHandler(self.handler)
-        seam_logger.setLevel(logging.INFO)  # the download's summary line (parts per donor) is INFO
-        key = RSAPrivateKey()
-        self.dht = hivemind.DHT(
-            start=True,
-            initial_peers=initial_peers,
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            record_validators=make_validators(run_id, key)[0],
-        )
-        self.optimizer = make_optimizer(make_model(seed=2), self.dht, run_id, key, **collab)
-        seam_logger.removeHandler(self.handler)  # the forked averager process keeps its copy; other joiners log apart
-        self.optimizer.state_averager.allow_state_sharing = False  # its own fresh state is no one's to take
-
-    def state(self) -> list:
-        _, tensors, _ = self.optimizer.state_averager.get_current_state()
-        return tensors
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def close(self):
-        self.optimizer.shutdown()
-        self.dht.shutdown()
-        self.handler.close()
-
+from benchmarks.testbed.processes import kill_all
+from benchmarks.testbed.state_donor import Joiner, parts_from, same_state, start_donor, start_donors, wait_ready
 
 PART = str(256 << 10)
 """Donors cut their ~6.3 MB state into 25 parts of 256 KiB (the default 4 MiB would make it two)."""
@@ -111,41 +44,17 @@ def test_a_state_stream_cut_short_is_refused_before_it_is_reshaped(tmp_path, pat
         kill_all(peers)
 
 
-def _donors(folder: Path, run_id: str, specs) -> List[PeerProcess]:
-    """Donors from ``specs`` (name, extra args), the first one the others' initial peer; all ready."""
-    peers, join = [], []
-    for name, args in specs:
-        peers.append(start_donor(folder, name, run_id, "--part_bytes", PART, *args, initial_peers=join))
-        info = wait_ready(peers[-1])
-        peers[-1].peer_id = info["peer_id"]
-        join = join or info["initial_peers"]
-    peers[0].join = join
-    return peers
-
-
-def _same_state(joiner: Joiner, donor_file: Path) -> bool:
-    served = torch.load(donor_file, weights_only=True)
-    got = joiner.state()
-    return len(served) == len(got) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(served, got))
-
-
-def _parts_from(text: str) -> dict:
-    """peer ID -> parts it delivered, from the joiner's last 'Downloaded the state ... in N parts' line."""
-    line = [row for row in text.splitlines() if "Downloaded the state" in row][-1]
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"(12D3\w+): (\d+) parts", line)}
-
-
 @pytest.mark.timeout(300)
 def test_three_donors_send_disjoint_parts_and_the_joiner_ends_with_their_state(tmp_path):
     run_id = "three_donors"
-    peers = _donors(tmp_path, run_id, [(name, []) for name in ("d1", "d2", "d3")])
+    peers = start_donors(tmp_path, run_id, [(name, []) for name in ("d1", "d2", "d3")])
     joiner = None
     try:
         joiner = Joiner(run_id, peers[0].join, tmp_path / "joiner.log")
-        assert not _same_state(joiner, tmp_path / "d1.pt")
+        assert not same_state(joiner, tmp_path / "d1.pt")
         assert joiner.optimizer.load_state_checked()
-        assert _same_state(joiner, tmp_path / "d1.pt")
-        parts = _parts_from(joiner.log())
+        assert same_state(joiner, tmp_path / "d1.pt")
+        parts = parts_from(joiner.log())
         assert set(parts) == {p.peer_id for p in peers} and sum(parts.values()) == 25, joiner.log()
     finally:
         if joiner is not None:
@@ -157,7 +66,7 @@ def test_three_donors_send_disjoint_parts_and_the_joiner_ends_with_their_state(t
 def test_a_donor_killed_mid_download_has_its_parts_moved_to_the_others(tmp_path):
     run_id = "killed_donor"
     slow = ["--serve_rate", str(500_000)]  # ~4 s of parts per donor: time to kill one in the middle
-    peers = _donors(tmp_path, run_id, [(name, slow) for name in ("d1", "d2", "d3")])
+    peers = start_donors(tmp_path, run_id, [(name, slow) for name in ("d1", "d2", "d3")])
     joiner = None
     try:
         joiner = Joiner(run_id, peers[0].join, tmp_path / "joiner.log")
@@ -166,9 +75,9 @@ def test_a_donor_killed_mid_download_has_its_parts_moved_to_the_others(tmp_path)
         assert joiner.optimizer.load_state_checked()
         killer.join()
         text = joiner.log()
-        assert _same_state(joiner, tmp_path / "d1.pt")
+        assert same_state(joiner, tmp_path / "d1.pt")
         assert f"of the state from {peers[2].peer_id}" in text and "its parts go to the other donors" in text, text
-        parts = _parts_from(text)
+        parts = parts_from(text)
         killed = parts.pop(peers[2].peer_id, 0)  # the parts it delivered before it died are verified and kept
         assert killed + sum(parts.values()) == 25 and all(n > killed for n in parts.values()), text
     finally:
@@ -184,14 +93,14 @@ def test_a_donor_serving_one_wrong_part_is_found_and_the_joiner_ends_with_the_ho
     digests (caught by the part's digest) or digests of its wrong state (outvoted by the two honest donors)."""
     run_id = f"rogue_{mode}"
     specs = [("d1", []), ("rogue", ["--mode", mode, "--wrong_part", "3"]), ("d2", [])]
-    peers = _donors(tmp_path, run_id, specs)
+    peers = start_donors(tmp_path, run_id, specs)
     rogue = peers[1].peer_id
     joiner = None
     try:
         joiner = Joiner(run_id, peers[0].join, tmp_path / "joiner.log")
         for _ in range(3):  # the rogue gets part 3 only if the schedule gives it that part: ask until it did
             assert joiner.optimizer.load_state_checked()
-            assert _same_state(joiner, tmp_path / "d1.pt")
+            assert same_state(joiner, tmp_path / "d1.pt")
             text = joiner.log()
             if mode == "wrong_manifest" or f"Donor {rogue} served part 3" in text:
                 break
@@ -200,7 +109,7 @@ def test_a_donor_serving_one_wrong_part_is_found_and_the_joiner_ends_with_the_ho
             assert f"Donor {rogue} served part 3 of the state whose digest differs" in text, text
         else:
             assert f"Not using the state from {rogue}: its digest" in text and "outvoted" in text, text
-            assert rogue not in _parts_from(text)
+            assert rogue not in parts_from(text)
     finally:
         if joiner is not None:
             joiner.close()
@@ -212,7 +121,7 @@ def test_a_download_cut_off_resumes_with_the_missing_parts_only(tmp_path):
     """The only donor is killed mid-download (the request fails, the verified parts are kept); a donor of the same
     state (same epoch, same digests) appears: the next request fetches only the parts still missing."""
     run_id = "resume"
-    peers = _donors(tmp_path, run_id, [("d1", ["--serve_rate", str(500_000)])])
+    peers = start_donors(tmp_path, run_id, [("d1", ["--serve_rate", str(500_000)])])
     joiner = None
     try:
         joiner = Joiner(run_id, peers[0].join, tmp_path / "joiner.log", load_state_attempts=1)
@@ -222,14 +131,14 @@ def test_a_download_cut_off_resumes_with_the_missing_parts_only(tmp_path):
         killer.join()
         kept = re.search(r"Downloaded (\d+) of 25 parts", joiner.log())
         assert kept and 0 < int(kept.group(1)) < 25, joiner.log()
-        peers += _donors(
+        peers += start_donors(
             tmp_path, run_id, [("d2", ["--initial_peers", *[str(m) for m in joiner.dht.get_visible_maddrs()]])]
         )
         assert joiner.optimizer.load_state_checked()
         text = joiner.log()
         assert f"Resuming the download of epoch 0: {kept.group(1)} of 25 parts here" in text, text
-        assert _parts_from(text) == {peers[1].peer_id: 25 - int(kept.group(1))}, text
-        assert _same_state(joiner, tmp_path / "d2.pt")
+        assert parts_from(text) == {peers[1].peer_id: 25 - int(kept.group(1))}, text
+        assert same_state(joiner, tmp_path / "d2.pt")
     finally:
         if joiner is not None:
             joiner.close()
@@ -239,7 +148,7 @@ def test_a_download_cut_off_resumes_with_the_missing_parts_only(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_donor_serves_at_most_its_bound_of_joiners_and_tells_the_others_it_is_busy(tmp_path):
     run_id = "busy"
-    peers = _donors(tmp_path, run_id, [("d1", ["--max_joiners", "1", "--serve_rate", str(1_000_000)])])
+    peers = start_donors(tmp_path, run_id, [("d1", ["--max_joiners", "1", "--serve_rate", str(1_000_000)])])
     first = second = None
     try:
         first = Joiner(run_id, peers[0].join, tmp_path / "first.log")
@@ -249,7 +158,7 @@ def test_a_donor_serves_at_most_its_bound_of_joiners_and_tells_the_others_it_is_
         time.sleep(1.5)
         assert not second.optimizer.load_state_checked()  # refused at once, not queued behind the first
         downloading.join()
-        assert _same_state(first, tmp_path / "d1.pt")
+        assert same_state(first, tmp_path / "d1.pt")
         assert "it answered 'busy'" in second.log(), second.log()
         assert "Busy serving 1 joiners" in peers[0].log(), peers[0].tail()
     finally:
