@@ -12,9 +12,9 @@ Modes (how it serves):
 - ``honest``: as every trainer does.
 - ``cut``: the whole-state stream ends cleanly after ``--cut_bytes`` bytes, as a relayed libp2p circuit does at its
   128 KiB data limit (the joiner used to reshape what it had and fail with a shape error).
-- ``wrong_part``: part ``--wrong_part`` of the partitioned state is served with every byte of it flipped: well
-  formed (right size, finite values are not guaranteed either way, so the digest is what must catch it), while
-  the manifest it announces is the honest one.
+- ``wrong_part``: part ``--wrong_part`` of the partitioned state (-1: the first part a joiner asks it for) is served
+  with every byte of it flipped: well formed (the right size; the digest is what must catch it), while the manifest
+  it announces is the honest one.
 - ``wrong_manifest``: the same wrong part, and a manifest that matches it (this donor's digest is then outvoted).
 
 ``--serve_rate`` bounds the bytes per second it sends parts at (0: unbounded), so that a test can kill it
@@ -107,9 +107,12 @@ def _serve_wrong_part(wrong: int, announce_it: bool) -> None:
     the manifest is built over the wrong state too (its root then differs from the honest donors')."""
     honest_bytes = LeanHiveStateAverager._part_bytes
 
+    served_wrong = []
+
     def _part_bytes(self, snapshot, part, start, end):
         data = honest_bytes(self, snapshot, part, start, end)
-        if part == wrong:
+        if part == wrong or (wrong < 0 and not served_wrong):  # -1: the first part it is asked for
+            served_wrong.append(part)
             logger.info("Serving a wrong part %d", part)
             return bytes(b ^ 0xFF for b in data)
         return data
