@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import List
 
+from benchmarks.docs import parse_markdown_tables, run_json
 from benchmarks.report import markdown_table
 
 MEASURED = Path(__file__).resolve().parent / "measured" / "multi_donor.json"
@@ -203,7 +204,8 @@ def main(argv=None) -> int:
             ]
         )
     columns = ["donors", "join s", "x 1 donor", "MB received", "parts per donor", "identical state"]
-    print(markdown_table(columns, table_rows))
+    table = markdown_table(columns, table_rows)
+    print(table)
     command = "sudo .venv/bin/python -m benchmarks.multi_donor " + " ".join(sys.argv[1:] if argv is None else argv)
     state_mb = rows[0]["megabytes"]
     record = {
@@ -213,15 +215,11 @@ def main(argv=None) -> int:
         "setup": dict(
             width=args.width, state_mb=state_mb, uplink_mbit=args.uplink_mbit, downlink_mbit=args.downlink_mbit
         ),
-        "tables": {
-            "main": {
-                "columns": [{"name": c} for c in columns],
-                "rows": table_rows,
-            }
-        },
+        # as ``python -m benchmarks.docs --record`` stores a printed table (numbers as numbers, with their format)
+        "tables": {"main": parse_markdown_tables(table)[0]},
         "rows": rows,
     }
-    Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    Path(args.json).write_text(run_json(record))
     return 0
 
 

@@ -403,11 +403,11 @@ class PartedStateTransfer:
         return metadata, tensors
 
     def _chunk_timeout(self) -> float:
-        from peer.swarm.hivemind_seam.averaging import STATE_CHUNK_TIMEOUT
-
-        return max(STATE_CHUNK_TIMEOUT, self.next_chunk_timeout or 0.0)
+        return max(PART_CHUNK_TIMEOUT, self.next_chunk_timeout or 0.0)
 
 
+PART_CHUNK_TIMEOUT = 20.0
+"""The longest wait for a part's next chunk (``STATE_CHUNK_TIMEOUT`` of the whole-state download)."""
 MIN_PART_RATE = 250_000.0
 """Bytes/s below which a donor's part is given up and moved (``MIN_STATE_RATE`` of the whole-state download)."""
 
