@@ -132,6 +132,30 @@ def _serve_wrong_part(wrong: int, announce_it: bool) -> None:
         transfer.flatten = wrong_flatten
 
 
+def _round_after(parts: int, seconds: float) -> None:
+    """A round of this donor starts after it served ``parts`` parts and runs ``seconds`` (the flag the host sets
+    around a real gradient round, set here in the averager process): serving must pause meanwhile."""
+    honest_bytes = LeanHiveStateAverager._part_bytes
+    served = []
+
+    def _part_bytes(self, snapshot, part, start, end):
+        served.append(part)
+        if len(served) == parts:
+            self.round_running.set()
+            logger.info("Round started after %d parts", parts)
+
+            async def end_round():
+                await asyncio.sleep(seconds)
+                self.round_running.clear()
+                await asyncio.sleep(1.0)  # the paused sender wakes up and counts its pause
+                logger.info("Round ended; serving went on after %.1f s paused for it", self.yielded_seconds)
+
+            asyncio.get_event_loop().create_task(end_round())
+        return honest_bytes(self, snapshot, part, start, end)
+
+    LeanHiveStateAverager._part_bytes = _part_bytes
+
+
 def _pace(rate: float) -> None:
     async def pace(self, nbytes: int) -> None:
         await asyncio.sleep(nbytes / rate)
@@ -152,6 +176,13 @@ def main(argv) -> int:
     parser.add_argument("--no_parts", action="store_true")
     parser.add_argument("--width", type=int, default=4096, help="the model's hidden width (the state's size)")
     parser.add_argument("--host", default="127.0.0.1", help="the address it listens on")
+    parser.add_argument(
+        "--round_after_parts",
+        type=int,
+        default=0,
+        help="after serving this many parts, hold its averaging-round flag set for --round_seconds (0: never)",
+    )
+    parser.add_argument("--round_seconds", type=float, default=3.0)
     parser.add_argument("--max_joiners", type=int, default=None)
     parser.add_argument("--ready", required=True)
     parser.add_argument("--state_out", default=None)
@@ -168,6 +199,8 @@ def main(argv) -> int:
         _serve_wrong_part(args.wrong_part, args.mode == "wrong_manifest")
     if args.serve_rate > 0:
         _pace(args.serve_rate)
+    if args.round_after_parts > 0:
+        _round_after(args.round_after_parts, args.round_seconds)
     share_tensors_by_file_descriptor()
     key = RSAPrivateKey()
     dht = hivemind.DHT(

@@ -165,3 +165,24 @@ def test_a_donor_serves_at_most_its_bound_of_joiners_and_tells_the_others_it_is_
             if joiner is not None:
                 joiner.close()
         kill_all(peers)
+
+
+@pytest.mark.timeout(300)
+def test_serving_yields_to_the_donors_averaging_round(tmp_path):
+    """The donor's round starts after it served 5 parts and lasts 3 s: it sends nothing meanwhile (the download takes
+    that much longer) and the download completes once the round is over."""
+    run_id = "yield"
+    peers = start_donors(tmp_path, run_id, [("d1", ["--round_after_parts", "5", "--round_seconds", "3"])])
+    joiner = None
+    try:
+        joiner = Joiner(run_id, peers[0].join, tmp_path / "joiner.log")
+        started = time.monotonic()
+        assert joiner.optimizer.load_state_checked()
+        assert time.monotonic() - started >= 3.0
+        assert same_state(joiner, tmp_path / "d1.pt")
+        paused = peers[0].wait_for(r"serving went on after ([\d.]+) s paused", timeout=30)
+        assert float(paused.group(1)) >= 2.5, peers[0].tail()
+    finally:
+        if joiner is not None:
+            joiner.close()
+        kill_all(peers)
