@@ -294,14 +294,23 @@ class PartedStateTransfer:
         group = groups[0]
         for other in groups[1:]:
             for peer in other:
-                logger.warning(
-                    "Not using the state from %s: its digest (epoch %d) differs from that of %d other donor(s) "
-                    "(epoch %d); it is outvoted",
-                    peer,
-                    manifests[peer].epoch,
-                    len(group),
-                    manifests[group[0]].epoch,
-                )
+                if len(other) < len(group):  # a minority: a rogue, or an honest peer whose state drifted
+                    logger.warning(
+                        "Not using the state from %s: its digest (epoch %d) differs from that of %d other donor(s) "
+                        "(epoch %d); it is outvoted",
+                        peer,
+                        manifests[peer].epoch,
+                        len(group),
+                        manifests[group[0]].epoch,
+                    )
+                else:  # as many donors hold another state (honest peers' states may differ): the best-ranked wins
+                    logger.info(
+                        "Not using the state from %s: it differs from the state of as many other donor(s) (epoch %d "
+                        "against %d); the state of the best-ranked donor is taken",
+                        peer,
+                        manifests[peer].epoch,
+                        manifests[group[0]].epoch,
+                    )
         manifest, metadata = manifests[group[0]], metadatas[group[0]]
         donors, reserve = group[: settings.max_donors], group[settings.max_donors :]
         await self._say_bye([p for p in asked if p not in donors and p not in reserve])
