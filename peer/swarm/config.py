@@ -63,6 +63,13 @@ class CollaborationArguments:
     """At most this many peer downloads each time this peer needs the swarm's state (joining, recovering, re-syncing),
     each from the next best peer; once all were asked, they are asked again after a pause (a peer a moment behind may
     be ready then). Joining then trains on from the local state."""
+    max_donors: int = 3
+    """A state download takes disjoint parts of the state from up to this many peers at once (peers that hold the
+    same state, checked part by part against the digests they announce); a slow or failing peer's parts move to the
+    others. 1: one peer at a time."""
+    serve_max_joiners: int = 2
+    """This peer sends its state to at most this many downloading peers at a time; the others are told it is busy
+    and ask another peer (its uplink also carries its averaging rounds)."""
     contribution_clip: float = 4.0
     """Robust averaging: NaN/inf contributions are dropped and each peer's deviation from the coordinate-wise
     median is clipped to this many times the median deviation (a bound on any one peer's influence); 0: plain
@@ -122,6 +129,7 @@ class CollaborationArguments:
             "delay_grad_averaging requires delay_optimizer_step: add --delay_optimizer_step",
         )
         integer_at_least(self, 1, "average_state_every", "compression_threshold", "min_peers", "load_state_attempts")
+        integer_at_least(self, 1, "max_donors", "serve_max_joiners")
         non_negative(self, "startup_wait", "final_sync_timeout", "contribution_clip")
         positive(self, "metrics_expiration")
         require(

@@ -205,7 +205,10 @@ def build_optimizer(
         averaging_timeout=collab.averaging_timeout,
         allreduce_timeout=allreduce_timeout,
         download_settings=StateDownloadSettings(
-            attempts=collab.load_state_attempts, first_chunk_timeout=collab.load_state_timeout
+            attempts=collab.load_state_attempts,
+            first_chunk_timeout=collab.load_state_timeout,
+            max_donors=collab.max_donors,
+            serve_max_joiners=collab.serve_max_joiners,
         ),
         next_chunk_timeout=next_chunk_timeout,
         offload_optimizer=True,

@@ -252,3 +252,24 @@ def test_dial_back_probe_runs_in_the_dht_process_through_its_p2p():
     finally:
         client.shutdown()
         server.shutdown()
+
+
+# ---- issue 30: the state from several donors (peer/swarm/hivemind_seam/state_transfer.py)
+
+
+def test_the_part_rpc_uses_hiveminds_download_message_both_ways():
+    """rpc_download_state_part carries its msgpack request/answer in DownloadData.metadata and the part's bytes in
+    DownloadData.tensor_part.buffer; hivemind registers it (a streaming RPC) from the type hints."""
+    from hivemind.proto import averaging_pb2, runtime_pb2
+
+    fields = averaging_pb2.DownloadData.DESCRIPTOR.fields_by_name
+    assert fields["metadata"].type == fields["metadata"].TYPE_BYTES
+    assert fields["tensor_part"].message_type.name == "Tensor"
+    assert "buffer" in runtime_pb2.Tensor.DESCRIPTOR.fields_by_name
+    averaging.LeanHiveStateAverager._rpc_handlers = None  # collected afresh from the class
+    averaging.LeanHiveStateAverager._collect_rpc_handlers()
+    handlers = {h.method_name: h for h in averaging.LeanHiveStateAverager._rpc_handlers}
+    part = handlers["rpc_download_state_part"]
+    assert part.request_type is averaging_pb2.DownloadData and part.response_type is averaging_pb2.DownloadData
+    assert part.stream_output and not part.stream_input
+    assert handlers["rpc_download_state"].stream_output

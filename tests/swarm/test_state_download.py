@@ -27,6 +27,9 @@ class _Peers(LeanHiveStateAverager):
     def state_bytes(self) -> int:
         return 1000
 
+    async def _download_in_parts(self, candidates, excluded, deadline):
+        raise seam_averaging.NoPartDonors()  # these fake peers serve the whole state only (hivemind's stream)
+
     def _state_candidates(self):
         return list(self.peers)
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from benchmarks.testbed.aux import wait_for
-from benchmarks.testbed.faults import broken_peer, hostile_records, hostile_state, slow_link
+from benchmarks.testbed.faults import broken_peer, donors, hostile_records, hostile_state, slow_link
 from benchmarks.testbed.faults.swarm import (
     BROADBAND,
     INTERNET,
@@ -1270,4 +1270,6 @@ MATRIX = [
         "x", "partition_and_heal_local", partial(partition_and_heal, sync_mode="local"), fast=False, needs_netns=True
     ),
     Scenario("y", "join_mid_round_local", join_mid_round_local, fast=False, needs_netns=False),
+    # the state from several donors at once (benchmarks/testbed/faults/donors.py)
+    Scenario("jk", "multi_donor_state_download", donors.donor_faults, fast=False, needs_netns=False),
 ]

@@ -48,9 +48,18 @@ State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
   state's size (first chunk within load_state_timeout, then ``STATE_CHUNK_TIMEOUT`` per chunk; hivemind's 3 s
   per-request timeout cut real downloads) and at most the expected size; only a state that passed
   ``check_downloaded_state`` (structure, shapes, dtypes, finiteness, epoch bounds, optimizer hyper-parameters and
-  8-bit state sizes) is handed over, so nothing is half applied. It uses the private ``_matchmaking`` (the
-  declarations' key), ``serializer``, ``next_chunk_timeout``; the host sends the epoch bounds through the private
-  ``_outer_pipe``.
+  8-bit state sizes) is handed over, so nothing is half applied. Each tensor is deserialized only after its declared
+  shape and dtype equal the local layout and its buffer holds exactly that many bytes (``checked_tensor``): a stream
+  cut short (a relay circuit's 128 KiB limit) is refused by name, not reshaped. It uses the private
+  ``_matchmaking`` (the declarations' key), ``serializer``, ``next_chunk_timeout``; the host sends the epoch bounds
+  through the private ``_outer_pipe``.
+- ``rpc_download_state_part`` (a new RPC, hivemind's ``DownloadData`` message both ways) and ``_download_in_parts``
+  (``state_transfer.py``, mixed in before hivemind's classes): the state from up to ``max_donors`` donors at once,
+  part by part, each part checked against the digests its donors announce; a donor serves at most
+  ``serve_max_joiners`` joiners (others are told it is busy; hivemind's ``rpc_download_state`` is admitted by the same
+  bound) and pauses serving while its own averaging round runs (``round_running``, set by the host around the
+  gradient round and here around ``_run_allreduce_inplace_``). The snapshot comes through the private
+  ``_get_current_state_from_host_process``.
 - ``load_state_from_peers`` / ``_update_scheduler`` (private) / ``step`` / ``get_current_state``: tell whether a
   download was applied (hivemind returns quietly when nobody answers), label the served state with the epoch its
   parameters are really at, snapshot it under ``lock_optimizer`` and refuse to serve NaN/inf.
@@ -272,6 +281,13 @@ OVERRIDDEN_METHODS = [
         "(self, maybe_step_control: 'Optional[StepControl]')",
     ),
     (hivemind.Optimizer, "__del__", "(self)"),
+    # state_transfer.py (several donors at once): the whole-state stream is admitted by the serving bound
+    (
+        _DA,
+        "rpc_download_state",
+        "(self, _request: 'averaging_pb2.DownloadRequest', _context: 'P2PContext') -> "
+        "'AsyncIterator[averaging_pb2.DownloadData]'",
+    ),
 ]
 # private (or internal) hivemind attributes used here: (module, class name, attribute), checked by the same test
 PRIVATE_ATTRIBUTES = [
@@ -314,6 +330,8 @@ PRIVATE_ATTRIBUTES = [
     # reachability: the dial-back probe runs on the DHT's p2pd; connect_to dials an address through the daemon client
     ("hivemind.dht.node", "DHTNode", "p2p"),
     ("hivemind.p2p.p2p_daemon", "P2P", "_client"),
+    # state_transfer.py: the donor's snapshot comes from the host process as hivemind's own download takes it
+    ("hivemind.averaging.averager", "DecentralizedAverager", "_get_current_state_from_host_process"),
 ]
 
 # --outer_compression sparse (``sparse_wire``; its docstring says what and why). Its own block, appended: its

@@ -21,7 +21,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.nested import nested_flatten, nested_pack
@@ -29,6 +29,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
+from peer.swarm.hivemind_seam.state_transfer import NoPartDonors, PartedStateTransfer
 from peer.swarm.hivemind_seam.timing import report_round, round_outcome, timed_allreduce, timed_phase
 from peer.swarm.keys import outer_averager_prefix, state_averager_prefix
 from peer.swarm.robust import (
@@ -233,6 +234,36 @@ MAX_RETRY_PAUSE = 5.0
 """The longest pause before the peers that declared their state are asked again (``StateDownloadSettings``)."""
 
 
+class IncompleteStateError(ValueError):
+    """A downloaded state (or part of it) is shorter or longer than the shapes and dtypes it declares: refused before
+    anything is reshaped or applied."""
+
+
+def checked_tensor(serialized, index: int, layout: Sequence[Tuple[torch.Size, torch.dtype]]) -> torch.Tensor:
+    """Tensor ``index`` of a downloaded state, deserialized only once its declaration (shape, dtype, no compression)
+    equals this peer's layout and its buffer holds exactly that many bytes.
+
+    A stream cut short (a libp2p relay circuit ends at 128 KiB) used to reach hivemind's reshape with part of a
+    tensor: ``RuntimeError: shape '[4096, 128]' is invalid for input of size 32768``. States are served without
+    compression (``load_state_compression=NoCompression()``), so the size is exact."""
+    if index >= len(layout):
+        raise IncompleteStateError(f"it sent more than the state's {len(layout)} tensors")
+    shape, dtype = layout[index]
+    declared = (tuple(serialized.size), serialized.dtype)
+    expected = (tuple(shape), str(dtype).replace("torch.", ""))
+    if serialized.compression != runtime_pb2.CompressionType.NONE:
+        raise IncompleteStateError(f"its tensor {index} is compressed; states are served uncompressed")
+    if declared != expected:
+        raise IncompleteStateError(f"its tensor {index} declares {declared}, this peer's state has {expected}")
+    size = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    if len(serialized.buffer) != size:
+        raise IncompleteStateError(
+            f"its tensor {index} {expected} arrived with {len(serialized.buffer)} of its {size} bytes (a cut "
+            f"connection, e.g. a relayed circuit's data limit); nothing of it was applied"
+        )
+    return deserialize_torch_tensor(serialized)
+
+
 def state_download_seconds(state_bytes: int, first_chunk_timeout: float) -> float:
     """The longest one peer may take to send a state of ``state_bytes``: its first chunk within
     ``first_chunk_timeout`` (load_state_timeout), the rest at ``MIN_STATE_RATE`` or faster."""
@@ -259,10 +290,19 @@ class StateDownloadSettings:
     bounded by the state's size (``state_download_seconds``)."""
     retry_pause: float = 2.0
     """Seconds before the peers are asked again, times the number of such pauses in the request so far."""
+    max_donors: int = 3
+    """At most this many donors send disjoint parts of the state at once (--max_donors; state_transfer.py)."""
+    serve_max_joiners: int = 2
+    """This peer serves its state to at most this many joiners at a time; others are told it is busy
+    (--serve_max_joiners)."""
 
     def __post_init__(self):
         if not (isinstance(self.attempts, int) and self.attempts >= 1):
             raise ValueError(f"attempts must be an integer >= 1, got {self.attempts!r}")
+        for name in ("max_donors", "serve_max_joiners"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     def pause(self, pauses_before: int) -> float:
         """The pause before the peers are asked again, when ``pauses_before`` pauses were made in this request."""
@@ -322,7 +362,7 @@ def _check_optimizer_metadata(local_state: dict, remote_flat) -> Optional[str]:
     return None
 
 
-class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
+class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingStateAverager):
     """TrainingStateAverager that can tell whether a state download was applied (hivemind returns quietly when
     nobody answers), serves consistent and finite snapshots, applies ``policy`` (allowlist for its RPCs, bounded
     contributions, finite downloads only) and downloads by ``download_settings`` (one retry policy)."""
@@ -330,6 +370,7 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
     def __init__(self, *args, download_settings: StateDownloadSettings = StateDownloadSettings(), **kwargs):
         # all set before hivemind's __init__, which forks the averager process (it inherits them)
         self.download_settings = download_settings
+        self.serve_max_joiners = download_settings.serve_max_joiners
         self.applied_epoch: Optional[int] = None  # the epoch of the last download, if it was applied
         self._loading = False  # a download is being applied (host process)
         # The epoch the parameters really are at, while local_epoch runs ahead of them: hivemind bumps local_epoch
@@ -360,8 +401,7 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
             self._local_layout = (layout, self.optimizer.state_dict())
         return self._local_layout
 
-    def check_downloaded_state(self, metadata, tensors) -> Optional[str]:
-        """Why a downloaded state must not be applied, or None: it is checked completely before any of it is."""
+    def _check_epoch(self, metadata) -> Optional[str]:
         if not isinstance(metadata, dict):
             return "its metadata is not a dictionary"
         epoch = metadata.get("epoch")
@@ -371,6 +411,21 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
             return f"its epoch {epoch} is beyond the swarm's consensus (at most {self._max_download_epoch})"
         if self._min_download_epoch is not None and epoch < self._min_download_epoch:
             return f"its epoch {epoch} is behind this peer's ({self._min_download_epoch}); it may catch up"
+        return None
+
+    def check_downloaded_metadata(self, metadata) -> Optional[str]:
+        """Why a state announced with ``metadata`` must not be downloaded (epoch bounds, hyper-parameters), or None:
+        checked before any part of it is fetched."""
+        reason = self._check_epoch(metadata)
+        if reason is None:
+            reason = _check_optimizer_metadata(self._layout()[1], metadata.get("optimizer_metadata"))
+        return reason
+
+    def check_downloaded_state(self, metadata, tensors) -> Optional[str]:
+        """Why a downloaded state must not be applied, or None: it is checked completely before any of it is."""
+        reason = self._check_epoch(metadata)
+        if reason is not None:
+            return reason
         layout, local_state = self._layout()
         if not isinstance(tensors, (list, tuple)) or len(tensors) != len(layout):
             return f"it has {len(tensors)} tensors, this peer's state has {len(layout)}"
@@ -451,21 +506,36 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
         began = time.monotonic()
         deadline = began + settings.request_seconds(expected)
         asked, pauses = set(), 0
+        excluded = set()  # donors that failed or served a wrong part in this request: not asked again
         for attempt in range(1, settings.attempts + 1):
-            candidates = [peer for peer in self._state_candidates() if peer not in asked]
+            candidates = [peer for peer in self._state_candidates() if peer not in asked and peer not in excluded]
             if not candidates and attempt > 1:
                 await asyncio.sleep(settings.pause(pauses))
                 pauses += 1
                 asked.clear()
-                candidates = self._state_candidates()
+                candidates = [peer for peer in self._state_candidates() if peer not in excluded]
             if not candidates:
                 logger.info("No peer declared its state for download (attempt %d of %d)", attempt, settings.attempts)
                 continue
-            peer = candidates[0]
-            asked.add(peer)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            try:  # several donors at once, part by part (state_transfer.py)
+                loaded = await self._download_in_parts(candidates, excluded, deadline)
+                if loaded is not None:
+                    return loaded
+                logger.warning("No complete state from the donors (attempt %d of %d)", attempt, settings.attempts)
+                if attempt < settings.attempts:  # busy donors may be free then; a resumed download keeps its parts
+                    await asyncio.sleep(settings.pause(pauses))
+                    pauses += 1
+                continue
+            except NoPartDonors:
+                pass  # peers that serve only the whole state (hivemind's stream): one of them, as before
+            except Exception as e:
+                logger.warning("The download in parts failed (attempt %d of %d): %r", attempt, settings.attempts, e)
+                continue
+            peer = candidates[0]
+            asked.add(peer)
             started = time.monotonic()
             try:
                 metadata, tensors = await asyncio.wait_for(
@@ -495,6 +565,7 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
     async def _download_from(self, peer: PeerID, expected_bytes: int, first_chunk_timeout: float):
         """One peer's state: the first chunk within ``first_chunk_timeout``, every next one within
         ``STATE_CHUNK_TIMEOUT``, no more than the expected size (plus slack) in all."""
+        layout, _ = self._layout()
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await asyncio.wait_for(
             stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout=first_chunk_timeout
@@ -517,7 +588,7 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
                 if message.metadata:
                     metadata = self.serializer.loads(message.metadata)
                 if message.tensor_part.dtype and parts:
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    tensors.append(checked_tensor(combine_from_streaming(parts), len(tensors), layout))
                     parts = []
                 parts.append(message.tensor_part)
         finally:  # an abandoned download must not keep the server sending
@@ -528,10 +599,22 @@ class LeanHiveStateAverager(_PolicyAveraging, TrainingStateAverager):
                 except Exception:
                     pass
         if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            tensors.append(checked_tensor(combine_from_streaming(parts), len(tensors), layout))
         if not metadata:
             raise ValueError("it sent no state (it does not share its state now)")
+        if len(tensors) != len(layout):
+            raise IncompleteStateError(
+                f"the stream ended after {received} bytes with {len(tensors)} of the state's {len(layout)} tensors "
+                f"(a cut connection, e.g. a relayed circuit's data limit); nothing of it was applied"
+            )
         return metadata, tensors
+
+    async def _run_allreduce_inplace_(self, *args, **kwargs):
+        self.round_running.set()  # serving pauses between chunks (state_transfer.py)
+        try:
+            return await super()._run_allreduce_inplace_(*args, **kwargs)
+        finally:
+            self.round_running.clear()
 
     def get_current_state(self):
         """The state served to a joining peer (or an aux peer's checkpoint): one consistent snapshot, labelled
@@ -694,8 +777,16 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             pass
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
-        with timed_phase("grad_wait"):  # for the phase observers (timing.py)
-            result = super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        # this peer's serving of its state yields to the round (state_transfer.py)
+        round_running = getattr(getattr(self, "state_averager", None), "round_running", None)
+        if round_running is not None:
+            round_running.set()
+        try:
+            with timed_phase("grad_wait"):  # for the phase observers (timing.py)
+                result = super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        finally:
+            if round_running is not None:
+                round_running.clear()
         if maybe_step_control is not None:  # None: hivemind saw no other peer to average with
             report_round(*round_outcome(maybe_step_control))
         return result
