@@ -39,8 +39,10 @@ class AuxArguments:
     """Take part in the trainers' all-reduce rounds as a reducer (this machine's bandwidth; contributes no data).
     Default (none): only while client-mode trainers (volunteers nobody can dial) are online and this aux can be
     dialled, since they cannot average without a reachable peer; true: whenever trainers are online; false: never."""
-    assist_refresh: float = 1.0
-    """Seconds between checks for a new averaging round when assist_in_averaging is on."""
+    assist_refresh: float = 0.2
+    """Seconds between checks for a new averaging round while assisting: a round is scheduled when the trainers'
+    epoch is less than matchmaking_time away, so a slower check misses short windows (tiny preset: 1 s; measured:
+    every round joined at 0.2 s, two thirds at 1 s)."""
     eval_every: int = 0
     """Evaluate the swarm's state on the validation split every this many global epochs; 0 disables."""
     eval_batch_size: int = 8
