@@ -33,9 +33,8 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-import psutil
-
-from benchmarks.testbed.netem.hosts import Host, _kill_namespace, _sh, list_namespaces, tbf_args
+from benchmarks.testbed.netem.hosts import Host, _kill_namespace, _sh, tbf_args
+from benchmarks.testbed.netem.hosts import cleanup_stale as hosts_cleanup_stale
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +77,7 @@ class HomeHost(Host):
 
 def cleanup_stale() -> List[str]:
     """Remove namespaces of home networks whose creating process is dead (a SIGKILLed run); returns their names."""
-    removed = []
-    for name in list_namespaces():
-        match = _NAME_RE.match(name)
-        if match and not psutil.pid_exists(int(match.group(1))):
-            _kill_namespace(name)
-            removed.append(name)
-    if removed:
-        logger.info("removed %d stale home-network namespaces: %s", len(removed), removed)
-    return removed
+    return hosts_cleanup_stale(_NAME_RE, "home-network")
 
 
 def home_network_unavailable_reason() -> Optional[str]:

@@ -71,19 +71,20 @@ def _kill_namespace(name: str) -> None:
     _sh("ip", "netns", "del", name, check=False)
 
 
-def cleanup_stale() -> List[str]:
+def cleanup_stale(name_re: "re.Pattern[str]" = _NAME_RE, what: str = "netem") -> List[str]:
     """Remove namespaces left by testbeds whose creating process is dead (e.g. SIGKILLed pytest).
 
-    Returns the names removed. Namespaces of live runs (parallel test sessions) are left alone.
+    ``name_re``'s first group is the creating process's pid. Returns the names removed. Namespaces of live runs
+    (parallel test sessions) are left alone.
     """
     removed = []
     for name in list_namespaces():
-        match = _NAME_RE.match(name)
+        match = name_re.match(name)
         if match and not psutil.pid_exists(int(match.group(1))):
             _kill_namespace(name)
             removed.append(name)
     if removed:
-        logger.info("removed %d stale netem namespaces: %s", len(removed), removed)
+        logger.info("removed %d stale %s namespaces: %s", len(removed), what, removed)
     return removed
 
 

@@ -29,7 +29,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
-from peer.swarm.hivemind_seam.state_transfer import NoPartDonors, PartedStateTransfer
+from peer.swarm.hivemind_seam.state_transfer import NoPartDonors, PartedStateTransfer, close_stream
 from peer.swarm.hivemind_seam.timing import report_round, round_outcome, timed_allreduce, timed_phase
 from peer.swarm.keys import outer_averager_prefix, state_averager_prefix
 from peer.swarm.robust import (
@@ -592,12 +592,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
                     parts = []
                 parts.append(message.tensor_part)
         finally:  # an abandoned download must not keep the server sending
-            close = getattr(iterator, "aclose", None)
-            if close is not None:
-                try:
-                    await close()
-                except Exception:
-                    pass
+            await close_stream(iterator)
         if parts:
             tensors.append(checked_tensor(combine_from_streaming(parts), len(tensors), layout))
         if not metadata:

@@ -203,7 +203,7 @@ class PartedStateTransfer:
             raise PartRefused("it answered nothing (it does not share its state now)") from None
         answer = self.serializer.loads(head.metadata)
         if not isinstance(answer, dict) or answer.get("status") != "ok":
-            await _close(iterator)
+            await close_stream(iterator)
             status = answer.get("status") if isinstance(answer, dict) else answer
             raise PartRefused(f"it answered {status!r}")
         return answer, iterator
@@ -218,13 +218,13 @@ class PartedStateTransfer:
                     ),
                     timeout=2.0,
                 )
-                await _close(stream.__aiter__())
+                await close_stream(stream.__aiter__())
             except Exception:
                 pass
 
     async def _fetch_manifest(self, peer: PeerID, expected: int, first_timeout: float):
         answer, iterator = await self._ask(peer, {"part": None}, first_timeout)
-        await _close(iterator)
+        await close_stream(iterator)
         manifest = Manifest.from_dict(answer.get("manifest"), expected)
         metadata_bytes = answer.get("metadata")
         if not isinstance(metadata_bytes, bytes) or digest(metadata_bytes) != manifest.metadata_digest:
@@ -250,7 +250,7 @@ class PartedStateTransfer:
                     raise ValueError(f"it sent more than part {part}'s {size} bytes")
                 chunks.append(message.tensor_part.buffer)
         finally:
-            await _close(iterator)
+            await close_stream(iterator)
         if received != size:
             raise ValueError(f"part {part} arrived with {received} of its {size} bytes (a cut connection)")
         return b"".join(chunks)
@@ -421,7 +421,8 @@ MIN_PART_RATE = 250_000.0
 """Bytes/s below which a donor's part is given up and moved (``MIN_STATE_RATE`` of the whole-state download)."""
 
 
-async def _close(iterator) -> None:
+async def close_stream(iterator) -> None:
+    """Closes a download stream we stop reading, so the server stops sending (a no-op where it cannot be closed)."""
     close = getattr(iterator, "aclose", None)
     if close is not None:
         try:
