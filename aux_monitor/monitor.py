@@ -134,9 +134,10 @@ class AuxMonitor:
             return
         with self.replica.exclusive():  # no assist step touches the state between its download and its use
             held = self.replica.held_epoch
-            # assisting peers' parameters are touched by averaging rounds: only a fresh download is the swarm's
+            # assisting peers' parameters are touched by averaging rounds: only a fresh download is the swarm's (an aux
+            # that may assist but does not, with no client trainer online, keeps downloading only for a newer epoch)
             # (an anchoring aux holds the swarm's state itself: nobody else could send it)
-            if not self.anchoring and (held is None or held < epoch or self.assist != "never"):
+            if not self.anchoring and (held is None or held < epoch or self.should_assist()):
                 held = self.replica.download()
                 if held is None:
                     logger.warning(

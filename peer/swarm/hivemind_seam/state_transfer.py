@@ -41,8 +41,10 @@ logger = logging.getLogger("peer.swarm.hivemind_seam.averaging")  # one logger f
 
 JOINER_IDLE = 15.0
 """Seconds after a joiner's last request when it no longer counts against ``serve_max_joiners``."""
-SNAPSHOT_REUSE = 10.0
-"""A manifest request within this many seconds of the last snapshot reuses it (joiners asking together share one)."""
+SNAPSHOT_REUSE = 1.0
+"""A manifest request within this many seconds of the last snapshot reuses it (joiners asking together share one).
+Short: the snapshot is not told when the donor's epoch moves, and a swarm of small states ends an epoch every few
+seconds; a longer reuse served an aux peer the same old epoch for 10 s on end."""
 SNAPSHOT_KEEP = 60.0
 """A snapshot unused this long is dropped (it holds a copy of the state)."""
 MAX_SNAPSHOTS = 2
