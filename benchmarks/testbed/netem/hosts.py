@@ -125,6 +125,9 @@ class Host:
     """Position in the testbed (0-based)."""
     bridge_port: str = field(repr=False, default="")
     """Name of the bridge-side veth end inside the switch namespace."""
+    started: List[subprocess.Popen] = field(repr=False, default_factory=list)
+    """Processes ``run`` started: killed at close even if `ip netns exec` had not entered the namespace yet (on a
+    busy machine ``ip netns pids`` may not list them)."""
 
     def command(self, cmd: Command) -> List[str]:
         """Argument vector that runs ``cmd`` inside this namespace (a str runs through ``sh -c``)."""
@@ -135,7 +138,9 @@ class Host:
         """Start ``cmd`` inside this host; `ip netns exec` execs, so the Popen pid is the process itself."""
         popen_kwargs.setdefault("cwd", str(REPO_ROOT))
         popen_kwargs.setdefault("env", _child_env())
-        return subprocess.Popen(self.command(cmd), **popen_kwargs)
+        proc = subprocess.Popen(self.command(cmd), **popen_kwargs)
+        self.started.append(proc)
+        return proc
 
     def exec(self, cmd: Command, timeout: float = 30.0, check: bool = False) -> subprocess.CompletedProcess:
         """Run ``cmd`` inside this host to completion and capture its output as text."""
@@ -263,6 +268,12 @@ class Testbed:
         for name in reversed(self._created):
             _kill_namespace(name)
         self._created.clear()
+        for host in self.hosts:
+            for proc in host.started:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=5)
+            host.started.clear()
         atexit.unregister(self.close)
 
     def __getitem__(self, index: int) -> Host:
