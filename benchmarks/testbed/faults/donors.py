@@ -55,8 +55,6 @@ def _run(folder: Path, run_id: str, specs, during=None) -> Dict[str, Any]:
 
 def donor_killed(folder: Path):
     """j. A donor killed mid-download: its parts move to the others."""
-    from benchmarks.testbed.faults.scenarios import ScenarioResult
-
     started = time.monotonic()
     slow = ["--serve_rate", "500000"]
     details = _run(folder, "fault_j", [(name, slow) for name in ("d1", "d2", "d3")], lambda p: p[2].kill_tree())
@@ -67,21 +65,11 @@ def donor_killed(folder: Path):
     named = killed is not None and f"of the state from {killed}" in details.get("log", "")
     ok = details["error"] is None and details.get("loaded") and details.get("same_state") and moved and named
     details.update(moved=moved, named_killed=named, parts_from_killed=from_killed)
-    return ScenarioResult(
-        "j. a donor killed mid-download (3 donors)",
-        survived=bool(ok),
-        epochs_lost=0,
-        recover_seconds=details.get("seconds"),
-        data_lost=not ok,
-        details={k: v for k, v in details.items() if k != "log"},
-        seconds=time.monotonic() - started,
-    )
+    return _result("j. a donor killed mid-download (3 donors)", ok, details, started)
 
 
 def donor_wrong_part(folder: Path):
     """k. A donor serving one wrong but well-formed part: found, excluded, the honest state in the end."""
-    from benchmarks.testbed.faults.scenarios import ScenarioResult
-
     started = time.monotonic()
     specs = [("d1", []), ("rogue", ["--mode", "wrong_part", "--wrong_part", "-1"]), ("d2", [])]
     details = _run(folder, "fault_k", specs)
@@ -90,8 +78,15 @@ def donor_wrong_part(folder: Path):
     found = rogue is not None and f"Donor {rogue} served part" in log and "digest differs" in log
     ok = details["error"] is None and details.get("loaded") and details.get("same_state") and found
     details.update(rogue_found=found)
+    return _result("k. a donor serving one wrong part (2 honest + 1 rogue)", ok, details, started)
+
+
+def _result(title: str, ok, details: dict, started: float):
+    """A download scenario's row: nothing is lost when the joiner ends with the honest state, in its run time."""
+    from benchmarks.testbed.faults.scenarios import ScenarioResult
+
     return ScenarioResult(
-        "k. a donor serving one wrong part (2 honest + 1 rogue)",
+        title,
         survived=bool(ok),
         epochs_lost=0,
         recover_seconds=details.get("seconds"),
