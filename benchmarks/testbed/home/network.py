@@ -33,7 +33,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from benchmarks.testbed.netem.hosts import Host, _kill_namespace, _sh, tbf_args
+from benchmarks.testbed.netem.hosts import Host, NamespaceLifecycle, _kill_namespace, _sh, tbf_args
 from benchmarks.testbed.netem.hosts import cleanup_stale as hosts_cleanup_stale
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def home_network_unavailable_reason() -> Optional[str]:
     return None
 
 
-class HomeNetwork:
+class HomeNetwork(NamespaceLifecycle):
     """Public hosts and NAT'd volunteers; a context manager that removes everything it built on exit.
 
     >>> with HomeNetwork(public=1, homes=2) as net:
@@ -144,18 +144,8 @@ class HomeNetwork:
 
     # ---- lifecycle
 
-    def __enter__(self) -> "HomeNetwork":
+    def _sweep(self) -> None:
         cleanup_stale()
-        atexit.register(self.close)
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def close(self) -> None:
         """Kill every process in the namespaces and delete them (their veths and rules go with them). Idempotent."""

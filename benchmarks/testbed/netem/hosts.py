@@ -169,7 +169,25 @@ def _child_env() -> Dict[str, str]:
     return env
 
 
-class Testbed:
+class NamespaceLifecycle:
+    """Entering sweeps up dead runs' namespaces (``_sweep``), then builds (``_build``); a failed build, exiting, or an
+    interpreter exit without ``__exit__`` closes (``close``)."""
+
+    def __enter__(self):
+        self._sweep()
+        atexit.register(self.close)  # an interpreter exit without __exit__ still cleans up
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class Testbed(NamespaceLifecycle):
     """N hosts on one bridge; a context manager that removes everything it built on exit.
 
     >>> with Testbed(2) as tb:
@@ -205,18 +223,8 @@ class Testbed:
 
     # ---- lifecycle ----
 
-    def __enter__(self) -> "Testbed":
+    def _sweep(self) -> None:
         cleanup_stale()
-        atexit.register(self.close)  # an interpreter exit without __exit__ still cleans up
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def _add_namespace(self, name: str) -> None:
         _sh("ip", "netns", "add", name)
