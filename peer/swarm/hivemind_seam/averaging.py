@@ -409,9 +409,14 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
             return f"its epoch {epoch!r} is not a non-negative integer"
         if self._max_download_epoch is not None and epoch > self._max_download_epoch:
             return f"its epoch {epoch} is beyond the swarm's consensus (at most {self._max_download_epoch})"
-        if self._min_download_epoch is not None and epoch < self._min_download_epoch:
+        if self._behind(metadata):
             return f"its epoch {epoch} is behind this peer's ({self._min_download_epoch}); it may catch up"
         return None
+
+    def _behind(self, metadata) -> bool:
+        """The state is older than this peer's: its donor is honest but a moment behind, worth asking again."""
+        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        return isinstance(epoch, int) and self._min_download_epoch is not None and epoch < self._min_download_epoch
 
     def check_downloaded_metadata(self, metadata) -> Optional[str]:
         """Why a state announced with ``metadata`` must not be downloaded (epoch bounds, hyper-parameters), or None:

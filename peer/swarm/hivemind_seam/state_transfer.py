@@ -283,6 +283,10 @@ class PartedStateTransfer:
                 continue
             manifest, metadata = result
             reason = self.check_downloaded_metadata(metadata)
+            if reason is not None and self._behind(metadata):
+                busy += 1  # not excluded: the retry after a pause asks it again, it may have caught up by then
+                logger.info("Not using the state from %s now: %s", peer, reason)
+                continue
             if reason is not None:
                 logger.warning("Not applying the state from %s: %s", peer, reason)
                 excluded.add(peer)
