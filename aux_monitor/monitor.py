@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 ASSIST_MODES = ("always", "auto", "never")
 CLIENT_PROGRESS_WINDOW = 60.0  # seconds: a client-mode trainer's progress record is refreshed more often
+WATCH_PERIOD = 2.0
+"""Seconds between looks for client-mode trainers while not assisting: they average from their first epoch (a few
+seconds on the tiny preset), and refresh_period (10 s) let their first rounds fail for want of a reducer."""
 ANCHOR_PROGRESS_EXPIRATION = 60.0  # hivemind's progress records live as long; an anchoring aux renews it each refresh
 
 
@@ -65,6 +68,7 @@ class AuxMonitor:
             raise ValueError(f"assist must be one of {', '.join(ASSIST_MODES)}, got {self.assist!r}")
         self.clients_online = threading.Event()  # client-mode trainers reported progress recently
         self.anchoring = False  # only client trainers are online: this aux's own state is the swarm's
+        self._watching = threading.Lock()  # the refresh and the assist loop both look for trainers
         self.public_key = public_key  # the subkey of this aux's signed records (its progress record when anchoring)
         self.replica, self.checkpoints, self.uploader, self.validation = replica, checkpoints, uploader, validation
         self.sampler = sampler
@@ -118,7 +122,7 @@ class AuxMonitor:
 
         if self.assist != "never":
             self._watch_trainers()
-        if snapshot.alive_peers > 0:
+        if snapshot.alive_peers > 0 or self.clients_online.is_set():  # clients publish metrics after an epoch
             self.trainers_online.set()
             self._serving_checkpoint = False
         else:
@@ -155,6 +159,10 @@ class AuxMonitor:
     def _watch_trainers(self) -> None:
         """Who needs this aux: client-mode trainers need a reducer (``--assist_in_averaging`` default: assist while
         they are online), and a swarm of client trainers only needs a state holder too (``anchoring``)."""
+        with self._watching:
+            self._look_for_trainers()
+
+    def _look_for_trainers(self) -> None:
         now, own = get_dht_time(), self.dht.peer_id.to_bytes()
         fresh = [
             r
@@ -291,10 +299,24 @@ class AuxMonitor:
             if stop.wait(self.args.refresh_period):
                 return
 
+    def _watch_for_clients(self) -> None:
+        """Between refreshes: client-mode trainers that just started are trainers online that need this aux now."""
+        try:
+            self._watch_trainers()
+        except Exception:
+            logger.warning("Looking for client-mode trainers failed; trying again", exc_info=True)
+            return
+        if self.clients_online.is_set():
+            self.trainers_online.set()
+
     def run_assist(self, stop: threading.Event) -> None:
         """Join the trainers' averaging rounds (the auxiliary optimizer's step) until ``stop`` is set."""
+        next_watch = 0.0
         while not stop.wait(self.args.assist_refresh):
             if not self.should_assist():
+                if self.assist != "never" and time.monotonic() >= next_watch:
+                    next_watch = time.monotonic() + WATCH_PERIOD
+                    self._watch_for_clients()
                 continue
             try:
                 self.replica.assist_step()

@@ -32,7 +32,8 @@ class CollaborationArguments:
     averaging_timeout: float = 60.0
     """Give up an averaging round after this many seconds (about twice the time all-reduce takes)."""
     allreduce_timeout: Optional[float] = None
-    """Timeout of one all-reduce attempt; None means averaging_timeout."""
+    """Timeout of one all-reduce attempt; None means averaging_timeout (5 x averaging_timeout for client-mode and
+    auxiliary peers, whose rounds cross home uplinks)."""
     request_timeout: Optional[float] = None
     """Seconds to wait for a peer's reply in matchmaking; must be below matchmaking_time (None: the smaller
     of 3 s and 0.8 x matchmaking_time)."""

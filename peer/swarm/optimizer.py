@@ -21,6 +21,7 @@ from hivemind.compression import (
 )
 from hivemind.utils.crypto import RSAPrivateKey
 
+from peer.swarm import round_wait
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
 from peer.swarm.hivemind_seam import (
     AveragingPolicy,
@@ -168,6 +169,10 @@ def build_optimizer(
     local = collab.sync_mode == "local"
     compression = make_compression(collab)
     allreduce_timeout = collab.allreduce_timeout or collab.averaging_timeout
+    if collab.allreduce_timeout is None and (client_mode or auxiliary):
+        # their rounds cross a client's home uplink: an attempt cut at averaging_timeout lost rounds whose bytes had
+        # all been sent (the training loop's wait grows the same way, peer.swarm.round_wait)
+        allreduce_timeout = round_wait.CAP * collab.averaging_timeout
     policy = AveragingPolicy(authorized_peers=authorized_peer_ids(dht), contribution_clip=collab.contribution_clip)
     # averager_opts reach only the state averager; the gradient averager gets the same through its factory
     averager_opts = dict(request_timeout=collab.request_timeout)

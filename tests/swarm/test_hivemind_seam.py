@@ -6,6 +6,7 @@ import ast
 import asyncio
 import importlib
 import inspect
+import logging
 import re
 import textwrap
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from peer.swarm import hivemind_seam
 from peer.swarm.hivemind_seam import averaging, dht, progress, sparse_wire
+from peer.swarm.round_wait import RoundWait
 
 pytestmark = pytest.mark.deps  # scripts/test.sh --newest/--oldest run these
 
@@ -97,7 +99,7 @@ def test_every_override_is_listed_in_the_seam():
     assert not unlisted, f"overrides missing from OVERRIDDEN_METHODS: {', '.join(sorted(set(unlisted)))}"
 
 
-def test_phase_observers_time_the_gradient_wait_and_tell_the_averagers_apart(monkeypatch):
+def test_phase_observers_time_the_gradient_wait_and_tell_the_averagers_apart():
     """The public timing hook (``observe_phases``) over the private methods it wraps: the benchmark's timers."""
     from unittest import mock
 
@@ -108,19 +110,20 @@ def test_phase_observers_time_the_gradient_wait_and_tell_the_averagers_apart(mon
     seen = []
     stop = hivemind_seam.observe_phases(lambda phase, start, end: seen.append((phase, end - start)))
     try:
-        # the optimizer's override reports the wait for the gradient all-reduce and returns hivemind's result
-        monkeypatch.setattr(
-            hivemind.Optimizer, "_average_gradients_and_load_into_optimizer", lambda self, control: ("done", control)
-        )
-
+        # the optimizer's override reports the wait for the gradient all-reduce (no round: the local gradients)
         class Probe(averaging.LeanHiveOptimizer):
             def __init__(self):  # nothing built: only the override is called
-                pass
+                self.status_loglevel, self.round_wait, self.loaded = logging.DEBUG, RoundWait(1.0), []
+
+            def _load_local_gradients_into_optimizer(self):
+                self.loaded.append("local")
 
             def __del__(self):
                 pass
 
-        assert Probe()._average_gradients_and_load_into_optimizer(None) == ("done", None)
+        probe = Probe()
+        probe._average_gradients_and_load_into_optimizer(None)
+        assert probe.loaded == ["local"]
         assert [phase for phase, _ in seen] == ["grad_wait"]
 
         async def round_(self, *args):
@@ -273,3 +276,43 @@ def test_the_part_rpc_uses_hiveminds_download_message_both_ways():
     assert part.request_type is averaging_pb2.DownloadData and part.response_type is averaging_pb2.DownloadData
     assert part.stream_output and not part.stream_input
     assert handlers["rpc_download_state"].stream_output
+
+
+def test_a_client_asks_to_join_with_the_latest_expiration_its_deadline_allows():
+    """hivemind asks leaders with ``now + min_matchmaking_time``; a leader that scheduled later refuses that
+    (BAD_EXPIRATION_TIME). A client asks with its deadline minus a margin, and never earlier than hivemind would."""
+    assert averaging.client_join_expiration(100.0, 3.0, 1.0) == pytest.approx(102.75)
+    assert averaging.client_join_expiration(100.0, 300.0, 15.0) == pytest.approx(399.75)
+    assert averaging.client_join_expiration(100.0, 1.0, 1.0) == pytest.approx(100.9)  # still before the deadline
+    for timeout in (0.5, 1.0, 3.0, 60.0):
+        assert 100.0 < averaging.client_join_expiration(100.0, timeout, 1.0) < 100.0 + timeout
+
+
+def test_the_gradient_wait_grows_to_the_rounds_this_link_carries_and_no_further():
+    """A round that completed late (after the wait) lengthens the next wait to SLACK x its duration, bounded by
+    CAP x averaging_timeout; failed or cancelled rounds change nothing. Real hivemind StepControl-like MPFutures."""
+    import time
+
+    from hivemind.utils import MPFuture
+
+    from peer.swarm import round_wait
+
+    wait = RoundWait(averaging_timeout=0.2)
+    assert wait.seconds() == 0.2
+    failed, cancelled, late = MPFuture(), MPFuture(), MPFuture()
+    for future in (failed, cancelled, late):
+        wait.watch(future)
+    failed.set_exception(RuntimeError("could not find a group"))
+    cancelled.cancel()
+    assert wait.seconds() == 0.2
+    time.sleep(0.3)
+    late.set_result("group")
+    deadline = time.monotonic() + 5
+    while wait.seconds() == 0.2 and time.monotonic() < deadline:  # the callback runs in hivemind's future thread
+        time.sleep(0.01)
+    assert round_wait.SLACK * 0.3 <= wait.seconds() < round_wait.SLACK * 1.0
+    wait.completed(60.0)
+    assert wait.seconds() == round_wait.CAP * 0.2
+    for _ in range(round_wait.HISTORY):  # only the last rounds count: a link that got faster shortens the wait again
+        wait.completed(0.01)
+    assert wait.seconds() == 0.2

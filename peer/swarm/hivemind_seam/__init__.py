@@ -36,6 +36,10 @@ Averaging (both averagers of hivemind.Optimizer)
 - ``BoundedPartReducer(TensorPartReducer)`` / ``BoundedAllReduceRunner(AllReduceRunner)``: the reducer keeps every
   sender's part and aggregates with ``bounded_mean`` instead of a running sum (replaces the private
   ``accumulator`` and ``tensor_part_reducer``); a part of the wrong shape is dropped there.
+- ``schedule_step`` (override, ``GradientAverager`` and ``TrainingStateAverager``): a client-mode peer schedules its
+  round at ``client_join_expiration`` (just before its deadline), the expiration it sends leaders; with hivemind's
+  ``now + min_matchmaking_time`` a leader that scheduled a moment later (an assisting aux polling for rounds)
+  refused it with BAD_EXPIRATION_TIME, and a client has no other leader to join.
 - ``__del__`` (override): hivemind's destructors assume a finished constructor; a stop signal while joining leaves a
   half-built object whose ``__del__`` raises AttributeError at exit. That error alone is dropped.
 
@@ -77,8 +81,9 @@ Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
 - ``_make_progress_tracker`` (private factory): builds ``LeanHiveProgressTracker``.
 - ``_load_local_gradients_into_optimizer`` (private): hivemind's fallback when an all-reduce failed; in
   ``--sync_mode local`` it also flags ``missed_round`` so the trainer downloads the swarm's shared state.
-- ``_average_gradients_and_load_into_optimizer`` (private): hivemind's, timed as the ``grad_wait`` phase, and the
-  round's outcome (``timing.round_outcome``) reported to the round observers.
+- ``_average_gradients_and_load_into_optimizer`` (private): hivemind's, timed as the ``grad_wait`` phase, waiting
+  ``round_wait.seconds()`` (at least averaging_timeout, longer once rounds proved slower: peer.swarm.round_wait)
+  instead of averaging_timeout, and the round's outcome (``timing.round_outcome``) reported to the round observers.
 - ``load_state_from_peers``: hivemind's as one request of the state averager (hivemind retried ``while True``), the
   epoch bound (``download_epoch_bound``) passed to the state averager, a refutation of epoch claims the downloaded
   state does not reach (``LeanHiveProgressTracker.refute_claims_above``), and without the gradient averager's
@@ -202,6 +207,7 @@ PINNED_HIVEMIND_VERSION = "1.1.12"
 
 # (hivemind class, method name, its signature in the pinned version): checked by tests/test_hivemind_seam.py
 _DA = hivemind.averaging.DecentralizedAverager
+_SCHEDULE_STEP = "(self, scheduled_time: Optional[float] = None, **kwargs) -> hivemind.averaging.control.StepControl"
 OVERRIDDEN_METHODS = [
     (P2P, "send_raw_data", "(data: bytes, writer: asyncio.streams.StreamWriter, *, chunk_size: int = 65536) -> None"),
     (P2P, "receive_raw_data", "(reader: asyncio.streams.StreamReader) -> bytes"),
@@ -226,6 +232,8 @@ OVERRIDDEN_METHODS = [
     (_DA, "_load_state_from_peers", "(self, future: 'MPFuture', timeout: 'Optional[float]' = None)"),
     (_DA, "__del__", "(self)"),
     (TrainingStateAverager, "get_current_state", "(self)"),
+    (TrainingStateAverager, "schedule_step", _SCHEDULE_STEP),
+    (GradientAverager, "schedule_step", _SCHEDULE_STEP),
     (
         TrainingStateAverager,
         "step",
@@ -323,6 +331,8 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.optim.optimizer", "Optimizer", "scheduled_grads"),
     ("hivemind.optim.optimizer", "Optimizer", "_tag_along_with_zero_weight"),
     ("hivemind.optim.optimizer", "Optimizer", "use_gradient_averaging"),
+    # the gradient wait (peer.swarm.round_wait) re-implements hivemind's _average_gradients_and_load_into_optimizer
+    ("hivemind.optim.optimizer", "Optimizer", "_load_averaged_gradients_into_optimizer_"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "sender_peer_ids"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "weight"),
     # patched by the tests' fault entry point (a peer that sends parts of the wrong shape)

@@ -38,6 +38,7 @@ from peer.swarm.robust import (
     bounded_mean,
     keep_local_where_not_finite,
 )
+from peer.swarm.round_wait import RoundWait
 from peer.swarm.tensors import all_finite
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,20 @@ class _AllowlistServicer:
         return checked
 
 
+CLIENT_JOIN_MARGIN = 0.25
+"""Seconds (at most) between a client's join expiration and its deadline: hivemind needs the first before the
+second, and the step's deadline is read a moment after the expiration is."""
+
+
+def client_join_expiration(now: float, timeout: float, min_matchmaking_time: float) -> float:
+    """When a client-mode peer's round is scheduled (the expiration it sends leaders): as late as its matchmaking
+    ``timeout`` allows, never earlier than hivemind's own choice (``now + min_matchmaking_time``) where that fits.
+    A client never leads, so a late expiration cannot deadlock leaders (hivemind's reason for the check); it only
+    lets any leader that begins before this client gives up take it in."""
+    margin = min(CLIENT_JOIN_MARGIN, timeout / 10)
+    return now + max(timeout - margin, min(min_matchmaking_time, timeout - margin))
+
+
 class _PolicyAveraging:
     """What both averager classes share: they are built with an ``AveragingPolicy`` and apply it to their RPCs and
     all-reduce rounds. The first base of each (one level; nothing is injected below hivemind's classes)."""
@@ -158,6 +173,17 @@ class _PolicyAveraging:
             super().__del__()
         except AttributeError:
             pass
+
+    def schedule_step(self, scheduled_time: Optional[float] = None, **kwargs):
+        """A client-mode peer asks to join with the latest expiration its round allows (``client_join_expiration``):
+        hivemind asks with the time it scheduled, and a leader that scheduled later refuses it (BAD_EXPIRATION_TIME),
+        so a client whose only reducer (an assisting aux) scheduled a moment later missed the round."""
+        timeout = kwargs.get("timeout")
+        if scheduled_time is None and self.client_mode and timeout is not None:
+            scheduled_time = client_join_expiration(
+                get_dht_time(), timeout, self.matchmaking_kwargs["min_matchmaking_time"]
+            )
+        return super().schedule_step(scheduled_time=scheduled_time, **kwargs)
 
     async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced=False):
         allowed = self.policy.authorized_peers
@@ -636,6 +662,16 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         return metadata, tensors, infos
 
     def step(self, *args, increment_epoch: bool = False, optimizer_step: bool = False, **kwargs):
+        opts = kwargs.get("averaging_opts")
+        if self.client_mode and kwargs.get("averaging_round") and kwargs.get("averaging_control") is None and opts:
+            # a round not scheduled beforehand: hivemind starts it itself, past schedule_step (see there)
+            if opts.get("timeout") is not None and "scheduled_time" not in opts:
+                kwargs["averaging_opts"] = dict(
+                    opts,
+                    scheduled_time=client_join_expiration(
+                        get_dht_time(), opts["timeout"], self.matchmaking_kwargs["min_matchmaking_time"]
+                    ),
+                )
         if increment_epoch and optimizer_step and self._params_epoch is None:
             self._params_epoch = self.local_epoch  # until _update_scheduler, after the step, under lock_optimizer
         return super().step(*args, increment_epoch=increment_epoch, optimizer_step=optimizer_step, **kwargs)
@@ -755,6 +791,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         """How many times this peer's state was replaced (downloads applied, checkpoints or backups loaded): the
         round agreement of --sync_mode local lets a peer whose state was replaced during a round follow, not vote."""
         super().__init__(*args, load_state_timeout=download_settings.first_chunk_timeout, **kwargs)
+        self.round_wait = RoundWait(self.averaging_timeout)
         if isinstance(self.grad_averager, PseudoGradientAverager):
             self.grad_averager.shared_parameters = tuple(
                 param for group in self.state_averager.optimizer.param_groups for param in group["params"]
@@ -783,13 +820,30 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             round_running.set()
         try:
             with timed_phase("grad_wait"):  # for the phase observers (timing.py)
-                result = super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+                self._wait_for_gradients(maybe_step_control)
         finally:
             if round_running is not None:
                 round_running.clear()
         if maybe_step_control is not None:  # None: hivemind saw no other peer to average with
             report_round(*round_outcome(maybe_step_control))
-        return result
+
+    def _wait_for_gradients(self, maybe_step_control) -> None:
+        """hivemind's ``_average_gradients_and_load_into_optimizer``, waiting ``round_wait.seconds()`` (what the
+        link carries, peer.swarm.round_wait) instead of ``averaging_timeout``."""
+        averaged_gradients = False
+        try:
+            if maybe_step_control is not None:
+                self.round_wait.watch(maybe_step_control)
+                group_info = maybe_step_control.result(self.round_wait.seconds())
+                logger.log(self.status_loglevel, f"Averaged gradients with {len(group_info)} peers")
+                self._load_averaged_gradients_into_optimizer_()
+                averaged_gradients = True
+            else:
+                logger.log(self.status_loglevel, "Skipped averaging: there are no other peers")
+        except BaseException as e:
+            logger.log(self.status_loglevel, f"Averaging gradients failed with {repr(e)}")
+        if not averaged_gradients:
+            self._load_local_gradients_into_optimizer()
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         tracker = LeanHiveProgressTracker(
