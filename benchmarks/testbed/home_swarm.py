@@ -37,6 +37,7 @@ import argparse
 import datetime
 import json
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -44,7 +45,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -149,7 +150,9 @@ class HomeSwarm:
         duration: float,
         link: HomeLink = HomeLink(),
         progress: Callable[[str], None] = print,
+        peer_flags: Sequence[str] = (),
     ):
+        self.peer_flags = list(peer_flags)  # appended to every peer's command (experiments; the README's have none)
         self.scenario, self.folder, self.duration, self.link, self.say = (
             scenario,
             Path(folder),
@@ -193,7 +196,7 @@ class HomeSwarm:
             "--config", "tiny", "--run_id", self.run_id, "--host_maddrs", f"/ip4/0.0.0.0/tcp/{PORT}",
             "--identity_path", str(self.folder / "aux" / "aux.key"), "--metrics_port", str(METRICS_PORT),
             "--checkpoint_dir", str(self.folder / "aux" / "checkpoints"), "--checkpoint_every", "10",
-            *self.scenario.aux_extra,
+            *self.scenario.aux_extra, *self.peer_flags,
         ]  # fmt: skip
         aux = self._start("aux", "aux", host, args, aux=True)
         maddrs = aux.process.initial_peers(STARTUP)
@@ -205,7 +208,8 @@ class HomeSwarm:
         return public
 
     def _trainer_args(self, join: List[str]) -> List[str]:
-        return ["--config", "tiny", "--run_id", self.run_id, "--initial_peers", *join]  # the README's join command
+        # the README's join command
+        return ["--config", "tiny", "--run_id", self.run_id, "--initial_peers", *join, *self.peer_flags]
 
     # ---- the run
 
@@ -610,9 +614,10 @@ def run_scenario(
     link: HomeLink = HomeLink(),
     baseline: Optional[dict] = None,
     progress: Callable[[str], None] = print,
+    peer_flags: Sequence[str] = (),
 ) -> dict:
     """Run one scenario and attach its acceptance checks."""
-    result = HomeSwarm(SCENARIOS[key], folder, duration, link, progress).run()
+    result = HomeSwarm(SCENARIOS[key], folder, duration, link, progress, peer_flags).run()
     result["checks"] = checks(result, baseline)
     return result
 
@@ -629,6 +634,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (each scenario's entry replaced)")
     parser.add_argument("--folder", type=Path, default=None, help="keep the peers' logs here (default: a temp dir)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument(
+        "--peer_flags",
+        default="",
+        help='extra flags for every peer, one string (an experiment, e.g. "--target_batch_size 512"; use another '
+        "--out: the measured table is of the README's commands)",
+    )
     parser.add_argument("--rebuild", action="store_true", help="only rebuild the tables of --out from its scenarios")
     args = parser.parse_args(argv)
     if args.list:
@@ -645,7 +656,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"cannot build the home network here: {reason}", file=sys.stderr)
         return 2
     link = HomeLink(args.up_mbit, args.down_mbit)
+    peer_flags = shlex.split(args.peer_flags)
     command = f"sudo .venv/bin/python -m benchmarks.testbed.home_swarm --scenario {{}} --duration {args.duration:g}"
+    if peer_flags:
+        command += f" --peer_flags {shlex.quote(args.peer_flags)}"
     failed = 0
     for key in args.scenario:
         folder = args.folder / key if args.folder else Path(tempfile.mkdtemp(prefix=f"home-{key}-"))
@@ -655,7 +669,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         stored = details_folder(args.out) / "baseline.json"
         if key == "b" and stored.exists():
             baseline = json.loads(stored.read_text())
-        result = run_scenario(key, folder, args.duration, link=link, baseline=baseline)
+        result = run_scenario(key, folder, args.duration, link=link, baseline=baseline, peer_flags=peer_flags)
         result["logs"] = str(folder)
         write_results(args.out, result, command.format(key))
         for name, ok in result["checks"].items():
