@@ -20,9 +20,7 @@ What is overridden and why (pinned in ``__init__``'s lists like the rest of the 
 - ``SparseAllGather.rpc_aggregate_part``: registered through the averager's own ``rpc_aggregate_part`` (which
   hands a stream to the running group's runner), so no new RPC name exists; the messages are hivemind's
   ``AveragingData`` with the payload's bytes in ``tensor_part.buffer``. Incoming bytes are bounded by the exact
-  payload size of the run: a longer stream is cut off and refused. The served peer ends its answer with
-  ``ACCEPTED`` once it holds the dialer's payload, and the dialer counts the served peer's payload only then; a peer
-  that misses a groupmate's payload fails its round (the trainer re-syncs) instead of applying another average.
+  payload size of the run: a longer stream is cut off and refused.
 
 The error-feedback buffer after a state download (joining, a missed round, a repaired disagreement) is reset to
 zero, not taken from the donor: the donor still owes its own residual and sends it in its next rounds (taking it
@@ -42,7 +40,7 @@ import logging
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
@@ -123,10 +121,8 @@ class SparseAllGather(ServicerBase):
             for index, piece in enumerate(pieces)
         ]
 
-    async def _read_payload(
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], peer: PeerID, code: int
-    ) -> Tuple[bytes, float]:
-        """A peer's payload: at most ``payload_bytes`` bytes (more is refused), with its first weight."""
+    async def _read_payload(self, stream: AsyncIterator[averaging_pb2.AveragingData], peer: PeerID, code: int):
+        """Collect a peer's payload: at most ``payload_bytes`` bytes (more is refused), its first weight."""
         received, weight, size = [], None, 0
         async for message in aiter_with_timeout(stream, self.sender_timeout):
             if weight is None:
@@ -141,7 +137,7 @@ class SparseAllGather(ServicerBase):
                 break
         if weight is None:
             raise ValueError(f"{peer} sent nothing")
-        return b"".join(received), weight
+        self.received[peer] = (b"".join(received), weight)
 
     # ------------------------------------------------------------------------------------------- run
 
@@ -153,13 +149,7 @@ class SparseAllGather(ServicerBase):
                 yield message
 
         stream = await stub.rpc_aggregate_part(requests())
-        contribution = await self._read_payload(stream, peer, averaging_pb2.AVERAGED_PART)
-        # the served peer's payload counts only once it confirms it has this one: without that, the stream could be
-        # closed before this peer's own payload was written, and the served peer would average without it
-        ack = await asyncio.wait_for(stream.__anext__(), self.sender_timeout)
-        if ack.code != averaging_pb2.ACCEPTED:
-            raise ValueError(f"{peer} did not confirm this peer's payload ({averaging_pb2.MessageCode.Name(ack.code)})")
-        self.received[peer] = contribution
+        await self._read_payload(stream, peer, averaging_pb2.AVERAGED_PART)
 
     async def _await_served(self, peer: PeerID) -> None:
         await asyncio.wait_for(self._started[peer].wait(), self.sender_timeout)
@@ -184,11 +174,6 @@ class SparseAllGather(ServicerBase):
         self.received[self.peer_id] = (self.payload, self.weight)
         return [(peer, *self.received[peer]) for peer in self.senders if peer in self.received]
 
-    @property
-    def missing(self) -> List[PeerID]:
-        """Groupmates this peer exchanges with directly whose payload did not arrive (after ``run``)."""
-        return [peer for peer in self.dials + self.serves if peer not in self.received]
-
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -203,8 +188,7 @@ class SparseAllGather(ServicerBase):
         try:
             for message in self._messages(averaging_pb2.AVERAGED_PART):
                 yield message
-            self.received[peer] = await reading
-            yield averaging_pb2.AveragingData(code=averaging_pb2.ACCEPTED)  # the dialer now counts this peer's payload
+            await reading
         except Exception as e:
             logger.warning("Sparse averaging: the stream from %s failed: %r", peer, e)
         finally:
@@ -259,13 +243,6 @@ class SparsePseudoGradientAverager(PseudoGradientAverager):
         gathered = await runner.run()
         if aux:
             return
-        if runner.missing:
-            # the others averaged with this peer's payload and may apply an average this peer cannot form: the round
-            # fails here, so the trainer re-syncs (hivemind.Optimizer reports a failed all-reduce)
-            raise AllreduceException(
-                f"sparse averaging: no contribution from {len(runner.missing)} of {len(runner.dials + runner.serves)} "
-                "groupmates; this round's average is not applied here"
-            )
         averaged = await loop.run_in_executor(None, self._aggregate, gathered, own)
         offset, refused = 0, 0
         for tensor in tensors:
