@@ -30,7 +30,8 @@ class CollaborationArguments:
     matchmaking_time: float = 5.0
     """Seconds to wait for peers to form an averaging group (3-5 on a LAN, 10-15 over the internet)."""
     averaging_timeout: float = 60.0
-    """Give up an averaging round after this many seconds (about twice the time all-reduce takes)."""
+    """Give up an averaging round after this many seconds (about twice the time all-reduce takes); the training loop
+    waits up to 5x longer once this peer's rounds proved slower (peer/swarm/round_wait.py)."""
     allreduce_timeout: Optional[float] = None
     """Timeout of one all-reduce attempt; None means averaging_timeout (5 x averaging_timeout for client-mode and
     auxiliary peers, whose rounds cross home uplinks)."""
