@@ -280,12 +280,12 @@ def test_the_part_rpc_uses_hiveminds_download_message_both_ways():
 
 def test_a_client_asks_to_join_with_the_latest_expiration_its_deadline_allows():
     """hivemind asks leaders with ``now + min_matchmaking_time``; a leader that scheduled later refuses that
-    (BAD_EXPIRATION_TIME). A client asks with its deadline minus a margin, and never earlier than hivemind would."""
-    assert averaging.client_join_expiration(100.0, 3.0, 1.0) == pytest.approx(102.75)
-    assert averaging.client_join_expiration(100.0, 300.0, 15.0) == pytest.approx(399.75)
-    assert averaging.client_join_expiration(100.0, 1.0, 1.0) == pytest.approx(100.9)  # still before the deadline
+    (BAD_EXPIRATION_TIME). A client asks with its deadline minus a margin, always before the deadline."""
+    assert averaging.client_join_expiration(100.0, 3.0) == pytest.approx(102.75)
+    assert averaging.client_join_expiration(100.0, 300.0) == pytest.approx(399.75)
+    assert averaging.client_join_expiration(100.0, 1.0) == pytest.approx(100.9)  # still before the deadline
     for timeout in (0.5, 1.0, 3.0, 60.0):
-        assert 100.0 < averaging.client_join_expiration(100.0, timeout, 1.0) < 100.0 + timeout
+        assert 100.0 < averaging.client_join_expiration(100.0, timeout) < 100.0 + timeout
 
 
 def test_the_gradient_wait_grows_to_the_rounds_this_link_carries_and_no_further():

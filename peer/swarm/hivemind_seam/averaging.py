@@ -151,13 +151,11 @@ CLIENT_JOIN_MARGIN = 0.25
 second, and the step's deadline is read a moment after the expiration is."""
 
 
-def client_join_expiration(now: float, timeout: float, min_matchmaking_time: float) -> float:
+def client_join_expiration(now: float, timeout: float) -> float:
     """When a client-mode peer's round is scheduled (the expiration it sends leaders): as late as its matchmaking
-    ``timeout`` allows, never earlier than hivemind's own choice (``now + min_matchmaking_time``) where that fits.
-    A client never leads, so a late expiration cannot deadlock leaders (hivemind's reason for the check); it only
-    lets any leader that begins before this client gives up take it in."""
-    margin = min(CLIENT_JOIN_MARGIN, timeout / 10)
-    return now + max(timeout - margin, min(min_matchmaking_time, timeout - margin))
+    ``timeout`` allows. A client never leads, so a late expiration cannot deadlock leaders (hivemind's reason for
+    the check); it only lets any leader that begins before this client gives up take it in."""
+    return now + timeout - min(CLIENT_JOIN_MARGIN, timeout / 10)
 
 
 class _PolicyAveraging:
@@ -178,12 +176,15 @@ class _PolicyAveraging:
         """A client-mode peer asks to join with the latest expiration its round allows (``client_join_expiration``):
         hivemind asks with the time it scheduled, and a leader that scheduled later refuses it (BAD_EXPIRATION_TIME),
         so a client whose only reducer (an assisting aux) scheduled a moment later missed the round."""
-        timeout = kwargs.get("timeout")
-        if scheduled_time is None and self.client_mode and timeout is not None:
-            scheduled_time = client_join_expiration(
-                get_dht_time(), timeout, self.matchmaking_kwargs["min_matchmaking_time"]
-            )
+        if scheduled_time is None:
+            scheduled_time = self._client_scheduled_time(kwargs.get("timeout"))
         return super().schedule_step(scheduled_time=scheduled_time, **kwargs)
+
+    def _client_scheduled_time(self, timeout: Optional[float]) -> Optional[float]:
+        """``client_join_expiration`` for a client-mode peer's round of ``timeout``; None (hivemind's choice) else."""
+        if not self.client_mode or timeout is None:
+            return None
+        return client_join_expiration(get_dht_time(), timeout)
 
     async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced=False):
         allowed = self.policy.authorized_peers
@@ -663,15 +664,11 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
 
     def step(self, *args, increment_epoch: bool = False, optimizer_step: bool = False, **kwargs):
         opts = kwargs.get("averaging_opts")
-        if self.client_mode and kwargs.get("averaging_round") and kwargs.get("averaging_control") is None and opts:
+        if kwargs.get("averaging_round") and kwargs.get("averaging_control") is None and opts:
             # a round not scheduled beforehand: hivemind starts it itself, past schedule_step (see there)
-            if opts.get("timeout") is not None and "scheduled_time" not in opts:
-                kwargs["averaging_opts"] = dict(
-                    opts,
-                    scheduled_time=client_join_expiration(
-                        get_dht_time(), opts["timeout"], self.matchmaking_kwargs["min_matchmaking_time"]
-                    ),
-                )
+            scheduled_time = self._client_scheduled_time(opts.get("timeout"))
+            if scheduled_time is not None and "scheduled_time" not in opts:
+                kwargs["averaging_opts"] = dict(opts, scheduled_time=scheduled_time)
         if increment_epoch and optimizer_step and self._params_epoch is None:
             self._params_epoch = self.local_epoch  # until _update_scheduler, after the step, under lock_optimizer
         return super().step(*args, increment_epoch=increment_epoch, optimizer_step=optimizer_step, **kwargs)
