@@ -6,7 +6,8 @@ all-gather and sends it malformed payloads (tests/swarm/test_sparse_wire.py star
 SPEC_JSON: {"maddrs": [...honest peer's multiaddrs], "peer_id": base58, "group_id": hex, "total": N, "density": d,
 "bits": b, "chunk": c, "variants": [names of ``malformed`` below]}. For each variant it dials the honest peer's
 runner served under the namespace ``rogue_sparse_<index>`` and prints one JSON line: the variant, and how many
-bytes came back (the honest peer still answers with its own payload; refusing is the receiver's job). Its first
+bytes came back (the honest peer still answers with its own payload; refusing is the receiver's job); the variants
+``honest`` and ``honest_late_end`` (``LateEndAllGather``) are well-formed. Its first
 line is its own peer ID; it dials once a line arrives on stdin (the honest peer's group is formed then).
 """
 
@@ -32,6 +33,24 @@ class StandaloneAllGather(SparseAllGather):
     caches a servicer's handlers and stub type on its class, so the production class is left untouched."""
 
 
+class LateEndAllGather(StandaloneAllGather):
+    """An honest dialer on a slow or busy machine: its end-of-stream goes out ``LATE_END`` seconds after its
+    payload and it reads the answer later still. A server that closed the stream as soon as the payload was in made
+    that end-of-stream write fail, and asyncio then failed the dialer's read with BrokenPipeError although the answer
+    had arrived: the server averaged the dialer's part and the dialer did not average the server's."""
+
+    LATE_END = 0.5
+
+    async def _requests(self):
+        async for message in super()._requests():
+            yield message
+        await asyncio.sleep(self.LATE_END)
+
+    async def _read_payload(self, *args, **kwargs):
+        await asyncio.sleep(2 * self.LATE_END)  # a busy dialer: reads the answer after its end-of-stream went out
+        await super()._read_payload(*args, **kwargs)
+
+
 def malformed(codec: SparseCodec, name: str) -> bytes:
     """A payload of this run with one thing wrong (or several valid-looking bytes too many)."""
     good = bytearray(codec.encode(torch.randn(codec.total)))
@@ -50,7 +69,7 @@ def malformed(codec: SparseCodec, name: str) -> bytes:
         return bytes(good[: len(good) // 2])
     elif name == "oversized":
         return bytes(good) * 3
-    elif name != "honest":
+    elif name not in ("honest", "honest_late_end"):
         raise ValueError(f"unknown variant {name!r}")
     return bytes(good)
 
@@ -63,7 +82,7 @@ async def main(spec: dict) -> None:
     await asyncio.get_event_loop().run_in_executor(None, sys.stdin.readline)
     try:
         for index, variant in enumerate(spec["variants"]):
-            runner = StandaloneAllGather(
+            runner = (LateEndAllGather if variant == "honest_late_end" else StandaloneAllGather)(
                 p2p=p2p,
                 servicer_type=StandaloneAllGather,
                 prefix=f"rogue_sparse_{index}",

@@ -28,7 +28,9 @@ ROGUE_VARIANTS = [
     "truncated",
     "oversized",
     "honest",
+    "honest_late_end",
 ]
+HONEST = ("honest", "honest_late_end")
 
 
 def test_the_wire_fields_the_payload_travels_in_exist():
@@ -98,9 +100,11 @@ def test_a_rogue_process_sending_malformed_payloads_is_refused(caplog):
 
     results, lines = asyncio.run(run())
     assert [line["variant"] for line in lines] == ROGUE_VARIANTS  # the rogue really sent each one
-    for variant, (averaged, refused) in zip(ROGUE_VARIANTS, results):
-        if variant == "honest":  # the control: a well-formed payload from the same process is averaged in
-            assert not refused and not torch.equal(averaged, own_decoded)
+    for variant, (averaged, refused), line in zip(ROGUE_VARIANTS, results, lines):
+        if variant in HONEST:  # the control: a well-formed payload from the same process is averaged in...
+            assert not refused and not torch.equal(averaged, own_decoded), variant
+            # ...and the dialer got this peer's payload, even when its end-of-stream came late (both average the same)
+            assert line["bytes_back"] == codec.payload_bytes, variant
             continue
         # refused before decoding (or cut off at the run's payload size): only this peer's own part is averaged
         assert torch.equal(averaged, own_decoded), variant

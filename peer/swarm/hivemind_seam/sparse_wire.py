@@ -121,8 +121,15 @@ class SparseAllGather(ServicerBase):
             for index, piece in enumerate(pieces)
         ]
 
-    async def _read_payload(self, stream: AsyncIterator[averaging_pb2.AveragingData], peer: PeerID, code: int):
-        """Collect a peer's payload: at most ``payload_bytes`` bytes (more is refused), its first weight."""
+    async def _read_payload(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], peer: PeerID, code: int, *, to_the_end: bool
+    ):
+        """Collect a peer's payload: at most ``payload_bytes`` bytes (more is refused), its first weight.
+
+        ``to_the_end``: the serving side reads until the dialer's end-of-stream. If it returned (and so closed the
+        stream) as soon as the bytes were in, the dialer's end-of-stream write could hit the closed stream; asyncio
+        then fails the dialer's reader with BrokenPipeError even though this peer's payload sits in its buffer, and
+        the two peers of the pair would average different contributions."""
         received, weight, size = [], None, 0
         async for message in aiter_with_timeout(stream, self.sender_timeout):
             if weight is None:
@@ -133,7 +140,7 @@ class SparseAllGather(ServicerBase):
             if size > self.payload_bytes:
                 raise ValueError(f"{peer} sent more than the {self.payload_bytes} bytes of this run's payloads")
             received.append(message.tensor_part.buffer)
-            if size == self.payload_bytes:
+            if size == self.payload_bytes and not to_the_end:
                 break
         if weight is None:
             raise ValueError(f"{peer} sent nothing")
@@ -141,15 +148,15 @@ class SparseAllGather(ServicerBase):
 
     # ------------------------------------------------------------------------------------------- run
 
+    async def _requests(self) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """What a dialer sends; hivemind writes its end-of-stream once this iterator ends."""
+        for message in self._messages(averaging_pb2.PART_FOR_AVERAGING):
+            yield message
+
     async def _dial(self, peer: PeerID) -> None:
         stub = self._servicer_type.get_stub(self._p2p, peer, namespace=self._prefix)
-
-        async def requests():
-            for message in self._messages(averaging_pb2.PART_FOR_AVERAGING):
-                yield message
-
-        stream = await stub.rpc_aggregate_part(requests())
-        await self._read_payload(stream, peer, averaging_pb2.AVERAGED_PART)
+        stream = await stub.rpc_aggregate_part(self._requests())
+        await self._read_payload(stream, peer, averaging_pb2.AVERAGED_PART, to_the_end=False)
 
     async def _await_served(self, peer: PeerID) -> None:
         await asyncio.wait_for(self._started[peer].wait(), self.sender_timeout)
@@ -184,7 +191,9 @@ class SparseAllGather(ServicerBase):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         self._started[peer].set()
-        reading = asyncio.create_task(self._read_payload(stream, peer, averaging_pb2.PART_FOR_AVERAGING))
+        reading = asyncio.create_task(
+            self._read_payload(stream, peer, averaging_pb2.PART_FOR_AVERAGING, to_the_end=True)
+        )
         try:
             for message in self._messages(averaging_pb2.AVERAGED_PART):
                 yield message
