@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
 from typing import Optional, Sequence
@@ -35,6 +36,8 @@ CLIENT_PROGRESS_WINDOW = 60.0  # seconds: a client-mode trainer's progress recor
 WATCH_PERIOD = 2.0
 """Seconds between looks for client-mode trainers while not assisting: they average from their first epoch (a few
 seconds on the tiny preset), and refresh_period (10 s) let their first rounds fail for want of a reducer."""
+FOLLOW_GAP = 2
+"""An anchoring aux takes its client trainers' epoch when they are this many epochs ahead (``SwarmReplica.follow``)."""
 ANCHOR_PROGRESS_EXPIRATION = 60.0  # hivemind's progress records live as long; an anchoring aux renews it each refresh
 
 
@@ -189,6 +192,18 @@ class AuxMonitor:
             events.emit("anchoring", on=anchoring)
         self.anchoring = anchoring
         if anchoring:
+            # the lower median: one client alone cannot move the swarm's state to an epoch the others never reached
+            ahead = statistics.median_low([r.epoch for r in clients])
+            held = self.replica.optimizer.local_epoch
+            # one epoch ahead is a round this aux is finishing too (hivemind catches up by one itself)
+            if ahead >= held + FOLLOW_GAP and self.replica.follow(ahead):
+                logger.info(
+                    "The client-mode trainers went on to epoch %d without this aux peer: it holds the state at that "
+                    "epoch now (was %d)",
+                    ahead,
+                    held,
+                )
+                events.emit("anchoring", on=True, epoch=ahead)
             self.replica.anchor()
             self._report_progress()
 

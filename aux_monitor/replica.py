@@ -110,6 +110,19 @@ class SwarmReplica:
             self._adopt_epoch(epoch)
             return True
 
+    def follow(self, epoch: int) -> bool:
+        """An anchoring aux whose client trainers went on without it: their first rounds failed before it assisted,
+        and a failed round still ends a client's epoch. Its tracker, at the older epoch, would never count their
+        samples and it would never join their rounds again (seen on the home testbed: 0 of 24 rounds). It takes
+        their epoch; its state stays the swarm's, as nobody else can serve one. True if it moved."""
+        with self._lock:
+            if epoch <= self.optimizer.local_epoch:
+                return False
+            self.optimizer.state_averager.parameters_replaced(epoch)
+            sync_offloaded_parameters(self.optimizer)  # the schedule follows the epoch
+            self._adopt_epoch(epoch)
+            return True
+
     def exclusive(self) -> threading.RLock:
         """Hold this while using a downloaded state: no download, restore or assist step runs meanwhile."""
         return self._lock

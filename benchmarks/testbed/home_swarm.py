@@ -8,10 +8,10 @@ Each scenario builds a ``HomeNetwork`` (benchmarks/testbed/home/network.py: publ
 every volunteer behind its own home router doing source NAT with no port forwarded, home lines 10 Mbit/s up and
 50 down), starts the peers as the README says and trains for ``--duration`` seconds once every trainer is up:
 
-- the aux peer: the README's ``run_aux_peer.py --config tiny --run_id R --host_maddrs /ip4/0.0.0.0/tcp/31337
+- the aux peer: the README's ``run_aux_peer.py --config tiny_home --run_id R --host_maddrs /ip4/0.0.0.0/tcp/31337
   --identity_path ... --metrics_port 9100 --checkpoint_dir ... --checkpoint_every 10`` on a public host;
-- a volunteer: the README's join command ``run_trainer.py --config tiny --run_id R --initial_peers <aux>``, with no
-  NAT flag (no ``--client_mode``, no ``--reachability``);
+- a volunteer: the README's join command ``run_trainer.py --config tiny_home --run_id R --initial_peers <aux>``, with
+  no NAT flag (no ``--client_mode``, no ``--reachability``);
 - a public trainer: the same, listening on a public address (``--host_maddrs /ip4/0.0.0.0/tcp/31337``).
 
 What the testbed adds to those commands only observes: ``--output_dir``/``--identity_path`` in the run's folder,
@@ -66,6 +66,7 @@ NO_REACHABLE_RE = re.compile(r"no reachable peer in this swarm[^\n]*")
 HEALTH_RE = re.compile(
     r"swarm health: rounds (\d+) ok / (\d+) failed, compute share \S+, sent ([\d.]+) MB, received ([\d.]+) MB"
 )
+DOWNLOADED_RE = re.compile(r"Downloaded the state \(")  # every applied download, hivemind's catch-ups included
 STEP_RE = re.compile(r"step (\d+) \| loss [\d.naif]+ \| [\d.]+ samples/s")
 NOTABLE = {
     "no_reachable_peer": NO_REACHABLE_RE,
@@ -76,6 +77,10 @@ NOTABLE = {
     "shape_invalid": re.compile(r"shape '\[[\d, ]+\]' is invalid"),
     "cannot_be_dialled": re.compile(r"cannot be dialled by other peers"),
 }
+
+
+PRESET = "tiny_home"
+"""Every peer's ``--config``: the tiny model with an epoch of many local steps, as in home runs (its YAML says why)."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,9 @@ class HomeSwarm:
         link: HomeLink = HomeLink(),
         progress: Callable[[str], None] = print,
         peer_flags: Sequence[str] = (),
+        preset: str = PRESET,
     ):
+        self.preset = preset
         self.peer_flags = list(peer_flags)  # appended to every peer's command (experiments; the README's have none)
         self.scenario, self.folder, self.duration, self.link, self.say = (
             scenario,
@@ -193,7 +200,7 @@ class HomeSwarm:
     def _start_aux(self) -> List[str]:
         host = self.net.public[0]
         args = [
-            "--config", "tiny", "--run_id", self.run_id, "--host_maddrs", f"/ip4/0.0.0.0/tcp/{PORT}",
+            "--config", self.preset, "--run_id", self.run_id, "--host_maddrs", f"/ip4/0.0.0.0/tcp/{PORT}",
             "--identity_path", str(self.folder / "aux" / "aux.key"), "--metrics_port", str(METRICS_PORT),
             "--checkpoint_dir", str(self.folder / "aux" / "checkpoints"), "--checkpoint_every", "10",
             *self.scenario.aux_extra, *self.peer_flags,
@@ -209,7 +216,7 @@ class HomeSwarm:
 
     def _trainer_args(self, join: List[str]) -> List[str]:
         # the README's join command
-        return ["--config", "tiny", "--run_id", self.run_id, "--initial_peers", *join, *self.peer_flags]
+        return ["--config", self.preset, "--run_id", self.run_id, "--initial_peers", *join, *self.peer_flags]
 
     # ---- the run
 
@@ -387,7 +394,10 @@ class HomeSwarm:
             "rounds_failed": int(sum(h[1] for h in health)),
             "mb_sent": round(sum(h[2] for h in health), 1),
             "mb_received": round(sum(h[3] for h in health), 1),
-            "state_downloads": len(events.all("state_loaded", where=lambda e: e.get("reason") != "join")),
+            # catch-ups after joining (hivemind's, inside its step, emit no event; they are logged)
+            "state_downloads": sum(
+                1 for m in DOWNLOADED_RE.finditer(log) if joined and _line_time(log, m.start()) > float(joined["time"])
+            ),
             "local_steps": max(steps, default=0),
             "samples": samples,
             "samples_per_second": round(samples / max(1.0, ended - began), 2),
@@ -451,9 +461,12 @@ def checks(result: dict, baseline: Optional[dict] = None) -> Dict[str, bool]:
     key, peers = result["scenario"], result["peers"]
     volunteers = {n: p for n, p in peers.items() if p["role"] in ("volunteer", "forwarded")}
     out: Dict[str, bool] = {}
-    if key in ("a", "b", "c", "pair"):
+    # issue 27 bounds the NAT'd volunteers' rounds and parameters in a and b; in c it asks for a full peer (the
+    # rounds and the parameter distance of c are measured in the result and its table, not bounded)
+    if key in ("a", "b"):
         for name, p in volunteers.items():
             out[f"{name} took part in >= 90% of the rounds after it joined"] = (p["took_part"] or 0) >= 0.9
+    if key in ("a", "b", "pair"):
         params = result.get("params") or {}
         out["parameters equal within the sync-mode tolerance"] = (
             params.get("max_difference") is not None and params["max_difference"] <= params["tolerance"]
@@ -529,6 +542,7 @@ MATRIX_COLUMNS = [
     {"name": "public trainer: epochs gone through"},
     {"name": "'no reachable peer' after"},
     {"name": "through the aux, MB in/out"},
+    {"name": "parameters apart (tolerance)"},
     {"name": "acceptance"},
     {"name": "peers' code"},
 ]
@@ -556,6 +570,10 @@ def matrix_rows(results: Dict[str, dict]) -> List[list]:
         aux = result.get("aux") or {}
         verdict = result.get("checks") or {}
         failed = [name for name, ok in verdict.items() if not ok]
+        params = result.get("params") or {}
+        apart = "—"
+        if params.get("max_difference") is not None:
+            apart = f"{params['max_difference']:.3g} at epoch {params['epoch']} ({params['tolerance']:g})"
         rows.append(
             [
                 f"{key}. {result['title']}",
@@ -563,6 +581,7 @@ def matrix_rows(results: Dict[str, dict]) -> List[list]:
                 ", ".join(public) or "—",
                 message if said else "—",
                 f"{aux.get('bytes_in', 0) / 1e6:.1f} / {aux.get('bytes_out', 0) / 1e6:.1f}",
+                apart,
                 "pass" if verdict and not failed else ("fail: " + "; ".join(failed) if failed else "—"),
                 result.get("code", "—"),
             ]
@@ -615,9 +634,10 @@ def run_scenario(
     baseline: Optional[dict] = None,
     progress: Callable[[str], None] = print,
     peer_flags: Sequence[str] = (),
+    preset: str = PRESET,
 ) -> dict:
     """Run one scenario and attach its acceptance checks."""
-    result = HomeSwarm(SCENARIOS[key], folder, duration, link, progress, peer_flags).run()
+    result = HomeSwarm(SCENARIOS[key], folder, duration, link, progress, peer_flags, preset).run()
     result["checks"] = checks(result, baseline)
     return result
 
@@ -640,6 +660,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         help='extra flags for every peer, one string (an experiment, e.g. "--target_batch_size 512"; use another '
         "--out: the measured table is of the README's commands)",
     )
+    parser.add_argument(
+        "--preset",
+        default=PRESET,
+        help=f"the run preset every peer gets with --config (default {PRESET}: configs/run/{PRESET}.yaml says why; "
+        "tiny for comparison, with another --out)",
+    )
     parser.add_argument("--rebuild", action="store_true", help="only rebuild the tables of --out from its scenarios")
     args = parser.parse_args(argv)
     if args.list:
@@ -658,6 +684,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     link = HomeLink(args.up_mbit, args.down_mbit)
     peer_flags = shlex.split(args.peer_flags)
     command = f"sudo .venv/bin/python -m benchmarks.testbed.home_swarm --scenario {{}} --duration {args.duration:g}"
+    if args.preset != PRESET:
+        command += f" --preset {shlex.quote(args.preset)}"
     if peer_flags:
         command += f" --peer_flags {shlex.quote(args.peer_flags)}"
     failed = 0
@@ -669,7 +697,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         stored = details_folder(args.out) / "baseline.json"
         if key == "b" and stored.exists():
             baseline = json.loads(stored.read_text())
-        result = run_scenario(key, folder, args.duration, link=link, baseline=baseline, peer_flags=peer_flags)
+        result = run_scenario(
+            key, folder, args.duration, link=link, baseline=baseline, peer_flags=peer_flags, preset=args.preset
+        )
         result["logs"] = str(folder)
         write_results(args.out, result, command.format(key))
         for name, ok in result["checks"].items():

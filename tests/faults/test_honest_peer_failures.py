@@ -324,6 +324,43 @@ def test_a_peer_that_found_nobody_yet_does_not_vote_its_fresh_epoch(tmp_path):
         dht.shutdown()
 
 
+def test_an_anchoring_aux_record_votes_only_while_no_serving_trainer_reports(tmp_path):
+    """An aux peer that anchored a swarm of client trainers leaves its record (epoch 6, no throughput) up to a
+    minute after a serving trainer came. With the trainer at 11, the lower median was 6 and a catching-up client
+    refused the trainer's state as "beyond the swarm's consensus" (seen on the home-network testbed, scenario c)."""
+    import hivemind
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    from peer.swarm.hivemind_seam import LeanHiveProgressTracker
+
+    def record(epoch: int, samples_per_second: float) -> ValueWithExpiration:
+        now = get_dht_time()
+        progress = LocalTrainingProgress(
+            peer_id=b"p",
+            epoch=epoch,
+            samples_accumulated=0,
+            samples_per_second=samples_per_second,
+            time=now,
+            client_mode=False,
+        )
+        return ValueWithExpiration(progress.dict(), now + 60)
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        client = LeanHiveProgressTracker(dht, "anchor_run", 64, client_mode=True, start=False)
+        client._parse_swarm_progress_data({b"aux": record(6, 0.0)})
+        assert client.consensus_epoch == 6  # only the anchoring aux serves: its epoch is the swarm's
+        client._parse_swarm_progress_data({b"aux": record(6, 0.0), b"trainer": record(11, 90.0)})
+        assert client.consensus_epoch == 11
+        # two trainers still take the lower median (one peer cannot raise the consensus alone)
+        records = {b"aux": record(6, 0.0), b"trainer": record(11, 90.0), b"other": record(7, 80.0)}
+        client._parse_swarm_progress_data(records)
+        assert client.consensus_epoch == 7
+    finally:
+        dht.shutdown()
+
+
 def test_a_client_ends_no_epoch_alone_and_counts_its_samples_as_the_others_do(tmp_path):
     """A client-mode joiner of a local-mode swarm started before the only serving trainer had reported (hivemind
     publishes a trainer's progress after its first step) and ended four rounds on its own samples; nobody can

@@ -102,7 +102,7 @@ def test_tokenizer_problems_exit_2_before_joining(tmp_path, capsys):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    "preset", ["small_internet", "base_internet", "small_home_internet", "base_home_internet", "tiny"]
+    "preset", ["small_internet", "base_internet", "small_home_internet", "base_home_internet", "tiny", "tiny_home"]
 )
 def test_print_config_writes_a_preset_that_reads_back(preset, tmp_path, capsys):
     from peer.cli import parse_config

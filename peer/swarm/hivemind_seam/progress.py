@@ -39,12 +39,13 @@ class LeanHiveProgressTracker(ProgressTracker):
 
     - a record whose ``time`` is ahead of our clock by more than ``MAX_CLOCK_SKEW`` or older than its lifetime
       (``metadata_expiration`` + skew), or whose throughput is not finite, is ignored;
-    - the epoch consensus (``consensus_epoch``) is the (lower) median of the non-client peers' epochs, this peer's
-      own included once it is in sync with the swarm (``mark_in_sync`` after joining, or a fetch that found another
-      peer's record within ``MAX_EPOCH_LEAD`` of its own; a joiner that has not loaded the state yet does not vote). It
-      bounds the epoch a downloaded state may carry. A record more than ``MAX_EPOCH_LEAD`` epochs ahead of it is a
-      *claim*: an honest peer of a fast swarm is often a few epochs ahead of a slower one, so it is followed (the
-      slower peer downloads the state, as in hivemind) until a download refutes it: a state download that ends
+    - the epoch consensus (``consensus_epoch``) is the (lower) median of the non-client peers' epochs (of those that
+      report a throughput, if any do: an anchoring aux peer's record counts only without a serving trainer), this
+      peer's own included once it is in sync with the swarm (``mark_in_sync`` after joining, or a fetch that found
+      another peer's record within ``MAX_EPOCH_LEAD`` of its own; a joiner that has not loaded the state yet does not
+      vote). It bounds the epoch a downloaded state may carry. A record more than ``MAX_EPOCH_LEAD`` epochs ahead of
+      it is a *claim*: an honest peer of a fast swarm is often a few epochs ahead of a slower one, so it is followed
+      (the slower peer downloads the state, as in hivemind) until a download refutes it: a state download that ends
       more than ``MAX_EPOCH_LEAD`` below the claim (``refute_claims_above``) makes this peer ignore that peer's
       lead for ``REFUTED_SECONDS`` (doubling with each refutation). So a record with ``epoch=10**12`` costs one
       download, not one per step;
@@ -135,7 +136,12 @@ class LeanHiveProgressTracker(ProgressTracker):
             else:
                 parsed[subkey] = record
 
-        votes = [r.epoch for key, r in parsed.items() if not r.client_mode and key != own_key]
+        serving = [r for key, r in parsed.items() if not r.client_mode and key != own_key]
+        # a state holder's record (an anchoring aux peer: no throughput) votes only while no serving trainer
+        # reports: it lives up to a minute after a trainer came, and in a pair the lower vote is the consensus, so
+        # its older epoch held a catching-up client's download bound below the trainer's state
+        trainers = [r for r in serving if r.samples_per_second > 0]
+        votes = [r.epoch for r in (trainers or serving)]
         if self._in_sync and not self.client_mode and self.votes_own_epoch:
             votes.append(self.local_progress.epoch)
         consensus = statistics.median_low(votes) if votes else None
