@@ -324,27 +324,33 @@ def test_a_peer_that_found_nobody_yet_does_not_vote_its_fresh_epoch(tmp_path):
         dht.shutdown()
 
 
+def _progress_record(*, epoch: int, samples: int, samples_per_second: float, client_mode: bool):
+    """A peer's progress record as the tracker reads it from the DHT (signed-record checks are not the point here)."""
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    now = get_dht_time()
+    progress = LocalTrainingProgress(
+        peer_id=b"p",
+        epoch=epoch,
+        samples_accumulated=samples,
+        samples_per_second=samples_per_second,
+        time=now,
+        client_mode=client_mode,
+    )
+    return ValueWithExpiration(progress.dict(), now + 60)
+
+
 def test_an_anchoring_aux_record_votes_only_while_no_serving_trainer_reports(tmp_path):
     """An aux peer that anchored a swarm of client trainers leaves its record (epoch 6, no throughput) up to a
     minute after a serving trainer came. With the trainer at 11, the lower median was 6 and a catching-up client
     refused the trainer's state as "beyond the swarm's consensus" (seen on the home-network testbed, scenario c)."""
     import hivemind
-    from hivemind.optim.progress_tracker import LocalTrainingProgress
-    from hivemind.utils import ValueWithExpiration, get_dht_time
 
     from peer.swarm.hivemind_seam import LeanHiveProgressTracker
 
-    def record(epoch: int, samples_per_second: float) -> ValueWithExpiration:
-        now = get_dht_time()
-        progress = LocalTrainingProgress(
-            peer_id=b"p",
-            epoch=epoch,
-            samples_accumulated=0,
-            samples_per_second=samples_per_second,
-            time=now,
-            client_mode=False,
-        )
-        return ValueWithExpiration(progress.dict(), now + 60)
+    def record(epoch: int, samples_per_second: float):
+        return _progress_record(epoch=epoch, samples=0, samples_per_second=samples_per_second, client_mode=False)
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
@@ -368,22 +374,11 @@ def test_a_client_ends_no_epoch_alone_and_counts_its_samples_as_the_others_do(tm
     run). A client ends no epoch while no serving trainer reports, and counts its own samples as the others count
     them (at most ``MAX_PEER_SHARE`` of the target), so its epochs end when theirs do."""
     import hivemind
-    from hivemind.optim.progress_tracker import LocalTrainingProgress
-    from hivemind.utils import ValueWithExpiration, get_dht_time
 
     from peer.swarm.hivemind_seam import LeanHiveProgressTracker
 
-    def record(samples: int, client_mode: bool) -> dict:
-        now = get_dht_time()
-        progress = LocalTrainingProgress(
-            peer_id=b"p",
-            epoch=0,
-            samples_accumulated=samples,
-            samples_per_second=50.0,
-            time=now,
-            client_mode=client_mode,
-        )
-        return ValueWithExpiration(progress.dict(), now + 60)
+    def record(samples: int, client_mode: bool):
+        return _progress_record(epoch=0, samples=samples, samples_per_second=50.0, client_mode=client_mode)
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
