@@ -244,6 +244,16 @@ def _log_time(peer: SwarmPeer, pattern: str) -> Optional[float]:
     return _line_time(log, match.start()) if match else None
 
 
+def _log_times(peer: SwarmPeer, pattern: str) -> List[float]:
+    """Times of every log line of ``peer`` matching ``pattern``."""
+    import re
+
+    from benchmarks.testbed.faults.swarm import _line_time
+
+    log = peer.log()
+    return [_line_time(log, match.start()) for match in re.finditer(pattern, log)]
+
+
 def _stop_all(peers: Sequence[SwarmPeer], timeout: float = 60) -> List[Optional[int]]:
     """SIGTERM every running peer at once (they write final parameters), then collect the exit codes."""
     import signal
@@ -418,7 +428,15 @@ def partition_and_heal(
             details["error"] = str(e)[-400:]
         codes = _stop_all(trainers)
         _check(details, "trainers stopped cleanly", codes == [0, 0, 0])
-        _check(details, "the cut-off trainer noticed and paused", "pausing training" in cut.log())
+        # paused: no local step from the moment its watchdog saw the partition until the heal. It may spend that
+        # time blocked in a state download it had begun (a missed round, a lost vote) instead of in the watchdog's
+        # pause; either way it computes nothing alone.
+        noticed = [t for t in _log_times(cut, r"No peer of the swarm is reachable") if cut_at <= t <= healed_at]
+        steps = _log_times(cut, r"\] step \d+ \|")
+        # the loop checks before each step: the one step in flight when the watchdog noticed may still end
+        computed_alone = [t for t in steps if noticed and noticed[0] < t < healed_at][1:]
+        details["local_steps_while_cut_off"] = len(computed_alone)
+        _check(details, "the cut-off trainer noticed and paused", bool(noticed) and not computed_alone)
         reconnected = _event_time(cut, "reconnected")
         details["seconds_to_reconnect"] = None if reconnected is None else reconnected - healed_at
         alone = [e for e, t in cut.epochs_done().items() if cut_at < t < healed_at]
@@ -428,11 +446,12 @@ def partition_and_heal(
         distances, in_family = {}, []
         for path in sorted((cut.folder / "params").glob("epoch_*.pt")):
             epoch = int(path.stem.split("_")[1])
-            first, second = t1.params_at(epoch), t2.params_at(epoch)
-            if path.stat().st_mtime > healed_at and first is not None and second is not None:
+            # an other trainer that skipped this epoch (it downloaded a newer state) is left out of the comparison
+            others = [p for p in (t1.params_at(epoch), t2.params_at(epoch)) if p is not None]
+            if path.stat().st_mtime > healed_at and others:
                 mine = cut.params_at(epoch)
-                to_others = min(param_distance(mine, first), param_distance(mine, second))
-                between_others = param_distance(first, second)
+                to_others = min(param_distance(mine, other) for other in others)
+                between_others = param_distance(*others) if len(others) == 2 else 0.0
                 distances[epoch] = dict(to_others=round(to_others, 6), between_others=round(between_others, 6))
                 if to_others <= max(tolerance, between_others):
                     in_family.append(epoch)

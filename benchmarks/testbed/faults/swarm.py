@@ -200,6 +200,12 @@ class NetemSwarm:
             self.proxies[index].maddr,
             "--identity_path",
             str(folder / "identity.key"),
+            # Every host here is public by construction. The dial-back probe cannot tell: a peer's inbound
+            # connections come through its own host's proxy, so a requester appears at the server's own IP, which
+            # is not among the addresses it announces, and an honest server refuses to dial those
+            # (peer.swarm.hivemind_seam.reachability). Without this every trainer came up as a client.
+            "--reachability",
+            "public",
         ]
 
     def start_trainer(
