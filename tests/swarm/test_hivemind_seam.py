@@ -13,6 +13,10 @@ from pathlib import Path
 
 import hivemind
 import pytest
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import PeerID
+from hivemind.utils.serializer import MSGPackSerializer
 
 from peer.swarm import hivemind_seam
 from peer.swarm.hivemind_seam import averaging, dht, progress, sparse_wire
@@ -316,3 +320,16 @@ def test_the_gradient_wait_grows_to_the_rounds_this_link_carries_and_no_further(
     for _ in range(round_wait.HISTORY):  # only the last rounds count: a link that got faster shortens the wait again
         wait.completed(0.01)
     assert wait.seconds() == 0.2
+
+
+def test_each_group_member_declares_its_mode_in_what_matchmaking_gathers():
+    """The sparse all-gather reads every member's mode from matchmaking's gathered data (``declared_modes``): hivemind
+    gathers ``[bandwidth, mode, user data]`` and hands its own runner only fractions, where an aux looks like a node."""
+    step = inspect.getsource(hivemind.averaging.DecentralizedAverager.step)
+    assert "self.serializer.dumps([self.bandwidth, self.mode.value, user_data_for_gather])" in step
+    aggregate = inspect.getsource(hivemind.averaging.DecentralizedAverager._aggregate_with_group)
+    assert "_run_allreduce_inplace_(local_tensors, group_info, peer_fractions=peer_fractions, **kwargs)" in aggregate
+
+    gathered = [MSGPackSerializer.dumps([1.0, mode.value, b""]) for mode in AveragingMode]
+    group = GroupInfo(group_id=b"g", peer_ids=tuple(PeerID(bytes([i]) * 8) for i in range(3)), gathered=gathered)
+    assert sparse_wire.declared_modes(MSGPackSerializer, group) == tuple(AveragingMode)

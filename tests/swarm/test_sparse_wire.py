@@ -114,6 +114,42 @@ def test_a_rogue_process_sending_malformed_payloads_is_refused(caplog):
     assert "sent more than the" in log  # the oversized stream was cut off at this run's payload size
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("clients", [2, 1])
+def test_client_peers_exchange_their_payloads_through_the_aux_relay(clients):
+    """Client-mode peers cannot dial each other; the group's aux peer relays each one's payload to the others, so all
+    gather the same contributions in the group's order (the aux itself contributes nothing). A client alone with an
+    aux has nobody to exchange with and keeps its own contribution."""
+    codec = SparseCodec(total=10_000, density=0.02, bits=2, chunk=1000)
+    payloads = [codec.encode(torch.randn(codec.total)) for _ in range(clients)]
+
+    async def run():
+        relay = await P2P.create()
+        maddrs = [str(m) for m in await relay.get_visible_maddrs()]
+        peers = [await P2P.create(initial_peers=maddrs) for _ in range(clients)]
+        ids = [*(p2p.peer_id for p2p in peers), relay.peer_id]
+        modes = [*(AveragingMode.CLIENT for _ in peers), AveragingMode.AUX]
+        try:
+            runners = []
+            for p2p, payload in [*zip(peers, payloads), (relay, b"")]:
+                runner = StandaloneAllGather(
+                    p2p=p2p, servicer_type=StandaloneAllGather, prefix="relay_test", group_id=bytes.fromhex("ab" * 8),
+                    ordered_peer_ids=ids, modes=modes, weight=1.0 if payload else 0.0, payload=payload,
+                    payload_bytes=codec.payload_bytes, sender_timeout=10.0,
+                )  # fmt: skip
+                await runner.add_p2p_handlers(p2p, namespace=runner._prefix)
+                runners.append(runner)
+            return ids, await asyncio.wait_for(asyncio.gather(*(runner.run() for runner in runners)), 60)
+        finally:
+            for p2p in [*peers, relay]:
+                await p2p.shutdown()
+
+    ids, gathered = asyncio.run(run())
+    expected = [(peer, payload, 1.0) for peer, payload in zip(ids, payloads)]
+    assert gathered[:-1] == [expected] * clients
+    assert gathered[-1] == []
+
+
 # ------------------------------------------------------------------------------------------- two optimizers
 
 

@@ -29,8 +29,11 @@ What is lost is at most the left-out part of one peer's recent rounds, a bounded
 was delaying anyway. Backups keep the buffer (peer/backup.py), so a restart from one resumes exactly.
 
 Pairs: of two node peers the one earlier in the group's order dials; a client-mode peer dials every node. Two client
-peers cannot reach each other, so they miss each other's contribution (the round agreement, peer.swarm.agreement,
-repairs the difference); the benchmark and the namespace test-bed run reachable peers.
+peers cannot reach each other (volunteers behind NAT): when the group has an aux peer (an aux assists only where
+others can dial it), the first one relays, each client sends it its payload and reads back the other clients'. It
+relays bytes it does not check (each receiver checks them as any other) and contributes nothing. Without an aux in
+the group two clients miss each other's contribution (the round agreement, peer.swarm.agreement, repairs the
+difference).
 """
 
 from __future__ import annotations
@@ -93,9 +96,21 @@ class SparseAllGather(ServicerBase):
                         self.dials.append(peer)
                     elif dialer == peer:
                         self.serves.append(peer)
+        # two client peers cannot dial each other: the group's first aux peer (an aux assists only when others can
+        # dial it) relays their payloads, each client's to every other client
+        auxes = [peer for peer, mode in zip(self.ordered_peer_ids, self.modes) if mode == AveragingMode.AUX]
+        clients = [peer for peer, mode in zip(self.ordered_peer_ids, self.modes) if mode == AveragingMode.CLIENT]
+        self.relay: Optional[PeerID] = auxes[0] if auxes and len(clients) >= 2 else None
+        self.relays_for: List[PeerID] = clients if self.relay == self.peer_id else []
+        self.via_relay: List[PeerID] = []
+        if self.relay is not None and self.my_mode == AveragingMode.CLIENT:
+            self.via_relay = [peer for peer in clients if peer != self.peer_id]
         self.received: Dict[PeerID, Tuple[bytes, float]] = {}
-        self._started: Dict[PeerID, asyncio.Event] = {peer: asyncio.Event() for peer in self.serves}
-        self._finished: Dict[PeerID, asyncio.Event] = {peer: asyncio.Event() for peer in self.serves}
+        served = self.serves + self.relays_for
+        self._started: Dict[PeerID, asyncio.Event] = {peer: asyncio.Event() for peer in served}
+        self._finished: Dict[PeerID, asyncio.Event] = {peer: asyncio.Event() for peer in served}
+        self._relayed_in: set = set()  # relayed clients whose stream was read (or failed)
+        self._all_relayed_in = asyncio.Event()
 
     def _dialer(self, other: PeerID) -> Optional[PeerID]:
         """Who opens the stream between this peer and ``other`` (None: two clients, nobody can)."""
@@ -110,13 +125,20 @@ class SparseAllGather(ServicerBase):
     # ------------------------------------------------------------------------------------------- messages
 
     def _messages(self, code: int) -> List[averaging_pb2.AveragingData]:
-        pieces = [self.payload[i : i + PIECE_BYTES] for i in range(0, len(self.payload), PIECE_BYTES)] or [b""]
+        return self._pieces(self.payload, code, self.weight)
+
+    def _pieces(
+        self, payload: bytes, code: int, weight: float, origin: Optional[PeerID] = None
+    ) -> List[averaging_pb2.AveragingData]:
+        """``payload`` in messages of at most PIECE_BYTES; ``origin``: the peer it came from (a relayed payload)."""
+        pieces = [payload[i : i + PIECE_BYTES] for i in range(0, len(payload), PIECE_BYTES)] or [b""]
         return [
             averaging_pb2.AveragingData(
                 code=code,
                 group_id=self.group_id if index == 0 else b"",
+                peer_id=origin.to_bytes() if origin is not None else b"",
                 tensor_part=runtime_pb2.Tensor(buffer=piece),
-                weight=self.weight,
+                weight=weight,
             )
             for index, piece in enumerate(pieces)
         ]
@@ -158,6 +180,27 @@ class SparseAllGather(ServicerBase):
         stream = await stub.rpc_aggregate_part(self._requests())
         await self._read_payload(stream, peer, averaging_pb2.AVERAGED_PART, to_the_end=False)
 
+    async def _dial_relay(self) -> None:
+        """Send this client's payload to the relay; read back the other clients' (each at most ``payload_bytes``,
+        only peers this one cannot reach itself). The relay answers once every client's payload is in or its
+        sender_timeout passed, hence the longer wait for the first message."""
+        stub = self._servicer_type.get_stub(self._p2p, self.relay, namespace=self._prefix)
+        stream = await stub.rpc_aggregate_part(self._requests())
+        pieces: Dict[PeerID, List[bytes]] = {}
+        weights: Dict[PeerID, float] = {}
+        async for message in aiter_with_timeout(stream, 2 * self.sender_timeout):
+            if message.code != averaging_pb2.AVERAGED_PART:
+                raise ValueError(f"the relay {self.relay} sent {averaging_pb2.MessageCode.Name(message.code)}")
+            origin = PeerID(message.peer_id)
+            if origin not in self.via_relay:
+                raise ValueError(f"the relay {self.relay} sent a payload of {origin}, not another client of the group")
+            pieces.setdefault(origin, []).append(message.tensor_part.buffer)
+            weights.setdefault(origin, float(message.weight))
+            if sum(len(piece) for piece in pieces[origin]) > self.payload_bytes:
+                raise ValueError(f"the relay {self.relay} sent more than {self.payload_bytes} bytes for {origin}")
+        for origin, parts in pieces.items():
+            self.received[origin] = (b"".join(parts), weights[origin])
+
     async def _await_served(self, peer: PeerID) -> None:
         await asyncio.wait_for(self._started[peer].wait(), self.sender_timeout)
         await self._finished[peer].wait()
@@ -166,14 +209,26 @@ class SparseAllGather(ServicerBase):
         """(peer, payload, weight) of this peer and of every sender heard from, in the group's order; payloads
         other than this peer's own are unchecked (``SparseCodec.check`` them)."""
         if self.my_mode == AveragingMode.AUX:
+            if self.relays_for:  # the group's clients reach each other through this peer
+                served = [asyncio.create_task(self._await_served(peer)) for peer in self.relays_for]
+                await asyncio.wait(served)
+                for peer, task in zip(self.relays_for, served):
+                    if task.cancelled() or task.exception() is not None:
+                        logger.warning("Sparse averaging: client %s never sent its payload to relay", peer)
             return []
         tasks = {peer: asyncio.create_task(self._dial(peer)) for peer in self.dials}
         tasks.update({peer: asyncio.create_task(self._await_served(peer)) for peer in self.serves})
+        relayed = asyncio.create_task(self._dial_relay()) if self.via_relay else None
+        running = [*tasks.values(), *([relayed] if relayed else [])]
         try:
-            await asyncio.wait(tasks.values())
+            if running:  # none: a client alone with an aux peer, whose round averages its own contribution only
+                await asyncio.wait(running)
         finally:
-            for task in tasks.values():
+            for task in running:
                 task.cancel()
+        if relayed is not None and (relayed.cancelled() or relayed.exception() is not None):
+            reason = "no reply in time" if relayed.cancelled() else repr(relayed.exception())
+            logger.warning("Sparse averaging: nothing through the relay %s (%s)", self.relay, reason)
         for peer, task in tasks.items():
             if task.cancelled() or task.exception() is not None or peer not in self.received:
                 reason = "no reply in time" if task.cancelled() else repr(task.exception())
@@ -184,8 +239,13 @@ class SparseAllGather(ServicerBase):
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """A groupmate that dials this peer: its payload in, this peer's payload out (concurrently)."""
+        """A groupmate that dials this peer: its payload in, this peer's payload out (concurrently); on the relay,
+        the other clients' payloads out."""
         peer = context.remote_id
+        if self.relays_for:
+            async for message in self._relay(stream, peer):
+                yield message
+            return
         if peer not in self._started or self._started[peer].is_set():
             logger.warning("Sparse averaging: refused a stream from %s (not a peer that dials this one)", peer)
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
@@ -202,6 +262,35 @@ class SparseAllGather(ServicerBase):
             logger.warning("Sparse averaging: the stream from %s failed: %r", peer, e)
         finally:
             reading.cancel()
+            self._finished[peer].set()
+
+    async def _relay(self, stream: AsyncIterator[averaging_pb2.AveragingData], peer: PeerID):
+        """On the relay: read this client's payload (to its end), wait until every client's is in (or
+        sender_timeout), then send it the others'. Relayed bytes are not checked here: each receiver checks them."""
+        if peer not in self.relays_for or self._started[peer].is_set():
+            logger.warning("Sparse averaging: refused to relay for %s (not a client of this group)", peer)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        self._started[peer].set()
+        try:
+            try:
+                await self._read_payload(stream, peer, averaging_pb2.PART_FOR_AVERAGING, to_the_end=True)
+            except Exception as e:
+                logger.warning("Sparse averaging: relaying nothing from %s: %r", peer, e)
+            finally:
+                self._relayed_in.add(peer)
+                if len(self._relayed_in) == len(self.relays_for):
+                    self._all_relayed_in.set()
+            try:
+                await asyncio.wait_for(self._all_relayed_in.wait(), self.sender_timeout)
+            except asyncio.TimeoutError:
+                pass
+            for other in self.relays_for:
+                if other != peer and other in self.received:
+                    payload, weight = self.received[other]
+                    for message in self._pieces(payload, averaging_pb2.AVERAGED_PART, weight, other):
+                        yield message
+        finally:
             self._finished[peer].set()
 
 
@@ -224,10 +313,7 @@ class SparsePseudoGradientAverager(PseudoGradientAverager):
         self, tensors: Sequence[torch.Tensor], group_info, group_id: Optional[bytes] = None, **kwargs
     ):
         group_id = group_info.group_id if group_id is None else group_id
-        fractions = kwargs.get("peer_fractions") or (1.0,) * len(group_info.peer_ids)
-        modes = kwargs.get("modes") or tuple(
-            AveragingMode.CLIENT if fraction == 0 else AveragingMode.NODE for fraction in fractions
-        )
+        modes = kwargs.get("modes") or declared_modes(self.serializer, group_info)
         aux = modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX
         weight = kwargs.get("weight")
         weight = float(not aux) if weight is None else weight
@@ -272,6 +358,16 @@ class SparsePseudoGradientAverager(PseudoGradientAverager):
             self.codec, gathered, self.peer_id, own, sizes, self.policy.contribution_clip
         )
         return averaged
+
+
+def declared_modes(serializer, group_info) -> Tuple[AveragingMode, ...]:
+    """Each group member's mode as it declared it in matchmaking (``[bandwidth, mode, user data]``, what
+    hivemind's ``DecentralizedAverager.step`` gathers). hivemind's ``_aggregate_with_group`` reads the same but hands
+    the runner only the peers' fractions, from which an aux peer looks like a node: it would never relay, and two
+    client peers of a group would miss each other's payloads. A member may lie about its mode: claiming aux makes it
+    the relay of the group's clients, which lets it do no more than a sender can (drop or spoil payloads, which the
+    receivers check, and a disagreement the round vote repairs)."""
+    return tuple(AveragingMode(serializer.loads(data)[1]) for data in group_info.gathered)
 
 
 def aggregate_contributions(
