@@ -9,6 +9,13 @@ runner served under the namespace ``rogue_sparse_<index>`` and prints one JSON l
 bytes came back (the honest peer still answers with its own payload; refusing is the receiver's job); the variants
 ``honest`` and ``honest_late_end`` (``LateEndAllGather``) are well-formed. Its first
 line is its own peer ID; it dials once a line arrives on stdin (the honest peer's group is formed then).
+
+    python -m benchmarks.testbed.rogue_sparse --relay SPEC_JSON
+
+The rogue is the aux peer that relays two honest client peers' payloads (``spoil_relay``): SPEC_JSON has "total",
+"density", "bits", "chunk", "group_id" and "variants" (``RELAY_VARIANTS``). Its first line is JSON with its peer ID
+and multiaddrs; it then reads the two clients' peer IDs (one line, space-separated), serves one relay per variant
+under the namespace ``rogue_relay_<index>``, prints "ready" and serves until stdin closes.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import sys
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2
 
 from peer.swarm.hivemind_seam import SparseAllGather
 from peer.swarm.sparse import SparseCodec
@@ -49,6 +57,33 @@ class LateEndAllGather(StandaloneAllGather):
     async def _read_payload(self, *args, **kwargs):
         await asyncio.sleep(2 * self.LATE_END)  # a busy dialer: reads the answer after its end-of-stream went out
         await super()._read_payload(*args, **kwargs)
+
+
+RELAY_VARIANTS = ["honest", "foreign_origin", "oversized", "wrong_code", "spoiled", "withheld"]
+
+
+def spoil_relay(runner: StandaloneAllGather, variant: str, codec: SparseCodec) -> None:
+    """Make ``runner`` (the group's aux) relay what it should not: each message it would relay is passed on changed
+    as ``variant`` says (``honest``: unchanged, the control). The instance's ``_relay`` is wrapped, not subclassed:
+    hivemind names a servicer's RPCs after its class, and the clients call StandaloneAllGather's."""
+    relay = runner._relay
+
+    async def spoiled(stream, peer):
+        async for message in relay(stream, peer):
+            if variant == "foreign_origin":  # a payload said to be the relay's own, not another client's
+                message.peer_id = runner.peer_id.to_bytes()
+            elif variant == "wrong_code":
+                message.code = averaging_pb2.PROTOCOL_VIOLATION
+            elif variant == "spoiled":  # the right size and origin, a NaN scale: only the check can tell
+                message.tensor_part.buffer = malformed(codec, "nan_scale")
+            elif variant == "withheld":  # passes nothing on, as if the other client never sent its payload
+                continue
+            yield message
+            if variant == "oversized":
+                yield message
+                yield message
+
+    runner._relay = spoiled
 
 
 def malformed(codec: SparseCodec, name: str) -> bytes:
@@ -101,5 +136,37 @@ async def main(spec: dict) -> None:
         await p2p.shutdown()
 
 
+async def relay_main(spec: dict) -> None:
+    p2p = await P2P.create()
+    codec = SparseCodec(total=spec["total"], density=spec["density"], bits=spec["bits"], chunk=spec["chunk"])
+    maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+    print(json.dumps({"peer_id": p2p.peer_id.to_base58(), "maddrs": maddrs}), flush=True)
+    loop = asyncio.get_event_loop()
+    clients = [PeerID.from_base58(word) for word in (await loop.run_in_executor(None, sys.stdin.readline)).split()]
+    try:
+        for index, variant in enumerate(spec["variants"]):
+            runner = StandaloneAllGather(
+                p2p=p2p,
+                servicer_type=StandaloneAllGather,
+                prefix=f"rogue_relay_{index}",
+                group_id=bytes.fromhex(spec["group_id"]),
+                ordered_peer_ids=[*clients, p2p.peer_id],
+                modes=[AveragingMode.CLIENT, AveragingMode.CLIENT, AveragingMode.AUX],
+                weight=0.0,
+                payload=b"",
+                payload_bytes=codec.payload_bytes,
+                sender_timeout=10.0,
+            )
+            spoil_relay(runner, variant, codec)
+            await runner.add_p2p_handlers(p2p, namespace=f"rogue_relay_{index}")
+        print("ready", flush=True)
+        await loop.run_in_executor(None, sys.stdin.read)  # serve until the test closes stdin
+    finally:
+        await p2p.shutdown()
+
+
 if __name__ == "__main__":
-    asyncio.run(main(json.loads(sys.argv[1])))
+    if sys.argv[1] == "--relay":
+        asyncio.run(relay_main(json.loads(sys.argv[2])))
+    else:
+        asyncio.run(main(json.loads(sys.argv[1])))

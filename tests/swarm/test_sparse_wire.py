@@ -14,7 +14,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from benchmarks.testbed.processes import REPO_ROOT
-from benchmarks.testbed.rogue_sparse import StandaloneAllGather
+from benchmarks.testbed.rogue_sparse import RELAY_VARIANTS, StandaloneAllGather
 from peer.swarm.hivemind_seam import SparsePseudoGradientAverager
 from peer.swarm.hivemind_seam.sparse_wire import aggregate_contributions
 from peer.swarm.sparse import SparseCodec
@@ -148,6 +148,83 @@ def test_client_peers_exchange_their_payloads_through_the_aux_relay(clients):
     expected = [(peer, payload, 1.0) for peer, payload in zip(ids, payloads)]
     assert gathered[:-1] == [expected] * clients
     assert gathered[-1] == []
+
+
+@pytest.mark.timeout(180)
+def test_a_rogue_relay_cannot_slip_in_or_spoil_a_client_payload(caplog):
+    """A rogue process as the group's aux relays two honest clients' payloads changed (RELAY_VARIANTS): a payload
+    said to come from a peer that is not another client, too many bytes, a wrong message code, a spoiled payload of
+    the right size, nothing at all. Each client refuses it (before decoding, or by the codec's check) and averages
+    its own contribution only; the honest relay of the same process is the control."""
+    codec = SparseCodec(total=10_000, density=0.02, bits=2, chunk=1000)
+    payloads = [codec.encode(torch.randn(codec.total)) for _ in range(2)]
+    decoded = [codec.decode(payload) for payload in payloads]
+    spec = dict(
+        total=codec.total, density=codec.density, bits=codec.bits, chunk=codec.chunk, group_id="cd" * 8,
+        variants=RELAY_VARIANTS,
+    )  # fmt: skip
+
+    async def run():
+        rogue = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "benchmarks.testbed.rogue_sparse", "--relay", json.dumps(spec),
+            cwd=REPO_ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        clients = []
+        try:
+            hello = json.loads(await asyncio.wait_for(rogue.stdout.readline(), 60))
+            relay_id = PeerID.from_base58(hello["peer_id"])
+            clients = [await P2P.create(initial_peers=hello["maddrs"]) for _ in range(2)]
+            rogue.stdin.write(" ".join(p2p.peer_id.to_base58() for p2p in clients).encode() + b"\n")
+            await rogue.stdin.drain()
+            assert (await asyncio.wait_for(rogue.stdout.readline(), 60)).strip() == b"ready"
+            ids = [*(p2p.peer_id for p2p in clients), relay_id]
+            results = []
+            for index in range(len(RELAY_VARIANTS)):
+                runners = []
+                for p2p, payload in zip(clients, payloads):
+                    runner = StandaloneAllGather(
+                        p2p=p2p, servicer_type=StandaloneAllGather, prefix=f"rogue_relay_{index}",
+                        group_id=bytes.fromhex(spec["group_id"]), ordered_peer_ids=ids,
+                        modes=[AveragingMode.CLIENT, AveragingMode.CLIENT, AveragingMode.AUX], weight=1.0,
+                        payload=payload, payload_bytes=codec.payload_bytes, sender_timeout=5.0,
+                    )  # fmt: skip
+                    runners.append(runner)
+                gathered = await asyncio.wait_for(asyncio.gather(*(runner.run() for runner in runners)), 60)
+                results.append(
+                    [
+                        aggregate_contributions(codec, each, p2p.peer_id, own, [codec.total], 4.0)
+                        for each, p2p, own in zip(gathered, clients, decoded)
+                    ]
+                )
+            return ids, results
+        finally:
+            if rogue.returncode is None:
+                rogue.stdin.close()
+                rogue.kill()
+            await rogue.wait()
+            for p2p in clients:
+                await p2p.shutdown()
+
+    ids, results = asyncio.run(run())
+    both = aggregate_contributions(
+        codec, [(ids[0], b"", 1.0), (ids[1], payloads[1], 1.0)], ids[0], decoded[0], [codec.total], 4.0
+    )[0]
+    for variant, per_client in zip(RELAY_VARIANTS, results):
+        for index, (averaged, refused) in enumerate(per_client):
+            other = ids[1 - index]
+            if variant == "honest":  # the control: each client averages the other's contribution too
+                assert not refused, variant
+                if index == 0:
+                    assert torch.equal(averaged, both), variant
+                continue
+            assert refused == ([other] if variant == "spoiled" else []), variant
+            assert torch.equal(averaged, decoded[index]), variant  # its own contribution only
+    log = caplog.text
+    assert "not another client of the group" in log  # foreign_origin
+    assert "bytes for" in log  # oversized: cut off at this run's payload size
+    assert "PROTOCOL_VIOLATION" in log  # wrong_code
+    assert "NaN, inf or negative" in log  # spoiled: refused by the codec's check
+    assert "passed on nothing from" in log  # withheld
 
 
 # ------------------------------------------------------------------------------------------- two optimizers

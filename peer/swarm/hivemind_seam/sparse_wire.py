@@ -200,6 +200,9 @@ class SparseAllGather(ServicerBase):
                 raise ValueError(f"the relay {self.relay} sent more than {self.payload_bytes} bytes for {origin}")
         for origin, parts in pieces.items():
             self.received[origin] = (b"".join(parts), weights[origin])
+        for origin in self.via_relay:
+            if origin not in pieces:  # it never reached the relay in time, or the relay kept it back
+                logger.warning("Sparse averaging: the relay %s passed on nothing from %s", self.relay, origin)
 
     async def _await_served(self, peer: PeerID) -> None:
         await asyncio.wait_for(self._started[peer].wait(), self.sender_timeout)
