@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -28,6 +29,7 @@ from benchmarks.testbed.faults.swarm import (
     NetemSwarm,
     SwarmPeer,
     SwarmSettings,
+    _line_time,
     param_distance,
 )
 from benchmarks.testbed.processes import kill_all, wait_all
@@ -235,21 +237,11 @@ def _epoch_gaps(trainer: SwarmPeer, after: float = -math.inf, before: float = ma
 
 def _log_time(peer: SwarmPeer, pattern: str) -> Optional[float]:
     """Time of the first log line of ``peer`` matching ``pattern`` (for what only the log tells: injected faults)."""
-    import re
-
-    from benchmarks.testbed.faults.swarm import _line_time
-
-    log = peer.log()
-    match = re.search(pattern, log)
-    return _line_time(log, match.start()) if match else None
+    return next(iter(_log_times(peer, pattern)), None)
 
 
 def _log_times(peer: SwarmPeer, pattern: str) -> List[float]:
     """Times of every log line of ``peer`` matching ``pattern``."""
-    import re
-
-    from benchmarks.testbed.faults.swarm import _line_time
-
     log = peer.log()
     return [_line_time(log, match.start()) for match in re.finditer(pattern, log)]
 
@@ -996,8 +988,6 @@ def corrupt_files(folder: Path) -> ScenarioResult:
 
 
 def _metric(page: Optional[str], name: str) -> Optional[float]:
-    import re
-
     match = re.search(rf"^leanhive_{name} ([0-9.eE+-]+)$", page or "", re.M)
     return float(match.group(1)) if match else None
 
