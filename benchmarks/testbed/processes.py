@@ -87,8 +87,13 @@ class PeerProcess:
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONPATH": python_path,
             # a few lines per round, so that a log printed for a failed test says why a round found no group or why
-            # the round agreement did (not) repair a difference
-            "LEANHIVE_DEBUG_LOGGERS": "hivemind.averaging.matchmaking,peer.swarm.agreement",
+            # the round agreement did (not) repair a difference; loggers named in the caller's own variable are added
+            "LEANHIVE_DEBUG_LOGGERS": ",".join(
+                filter(
+                    None,
+                    ["hivemind.averaging.matchmaking,peer.swarm.agreement", os.environ.get("LEANHIVE_DEBUG_LOGGERS")],
+                )
+            ),
             **(env or {}),
         }
         self.cwd = cwd

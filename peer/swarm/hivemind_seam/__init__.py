@@ -36,6 +36,12 @@ Averaging (both averagers of hivemind.Optimizer)
 - ``BoundedPartReducer(TensorPartReducer)`` / ``BoundedAllReduceRunner(AllReduceRunner)``: the reducer keeps every
   sender's part and aggregates with ``bounded_mean`` instead of a running sum (replaces the private
   ``accumulator`` and ``tensor_part_reducer``); a part of the wrong shape is dropped there.
+- ``BoundedAllReduceRunner._communicate_with_peer`` (override of a private method): a client-mode peer reads its
+  reducer's answer while it sends, so a reducer that refused it (it began after the reducer's sender_timeout) ends
+  its round at once; hivemind's client read only after sending everything, its writes failed on the closed stream and
+  it waited until its all-reduce timeout. A round in which no reducer averaged anything fails instead of counting as
+  averaged (``_run_allreduce_inplace_``). ``_handle_missing_senders`` (override of a private method): a client-mode
+  sender gets twice sender_timeout to start (its first part counts, and it crosses a home uplink).
 - ``schedule_step`` (override, ``GradientAverager`` and ``TrainingStateAverager``): a client-mode peer schedules its
   round at ``client_join_expiration`` (just before its deadline), the expiration it sends leaders; with hivemind's
   ``now + min_matchmaking_time`` a leader that scheduled a moment later (an assisting aux polling for rounds)
@@ -261,6 +267,12 @@ OVERRIDDEN_METHODS = [
         "Tuple[float, ...], modes: Optional[Sequence[hivemind.averaging.allreduce.AveragingMode]] = None, "
         "sender_timeout: Optional[float] = None, reducer_timeout: Optional[float] = None, **kwargs)",
     ),
+    (
+        AllReduceRunner,
+        "_communicate_with_peer",
+        "(self, peer_id: hivemind.p2p.p2p_daemon_bindings.datastructures.PeerID)",
+    ),
+    (AllReduceRunner, "_handle_missing_senders", "(self)"),
     (hivemind.Optimizer, "_make_state_averager", "(self, **kwargs) -> 'TrainingStateAverager'"),
     (hivemind.Optimizer, "_make_progress_tracker", "(self, target_batch_size: 'int', **kwargs) -> 'ProgressTracker'"),
     (
@@ -342,6 +354,21 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.p2p.p2p_daemon", "P2P", "_client"),
     # state_transfer.py: the donor's snapshot comes from the host process as hivemind's own download takes it
     ("hivemind.averaging.averager", "DecentralizedAverager", "_get_current_state_from_host_process"),
+    # a client reads its reducer's answer while it sends (BoundedAllReduceRunner._communicate_with_peer)
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "tensor_part_container"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "should_delay_results"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "_get_peer_stub"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "reducer_timeout"),
+    ("hivemind.averaging.partition", "TensorPartContainer", "num_parts_by_peer"),
+    ("hivemind.averaging.partition", "TensorPartContainer", "register_processed_part"),
+    ("hivemind.averaging.partition", "TensorPartContainer", "register_failed_reducer"),
+    ("hivemind.averaging.partition", "TensorPartContainer", "failed_size"),
+    ("hivemind.averaging.partition", "TensorPartContainer", "total_size"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "all_senders_started"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "active_senders"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "banned_senders"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "_ban_sender"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "sender_timeout"),
 ]
 
 # --outer_compression sparse (``sparse_wire``; its docstring says what and why). Its own block, appended: its

@@ -15,7 +15,7 @@ from typing import FrozenSet, List, Optional, Sequence, Tuple
 import hivemind
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.averaging.partition import TensorPartReducer
+from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
@@ -23,7 +23,7 @@ from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import as_aiter, attach_event_on_finished, azip
 from hivemind.utils.nested import nested_flatten, nested_pack
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
@@ -106,6 +106,78 @@ class BoundedAllReduceRunner(AllReduceRunner):
         unused = self.tensor_part_reducer
         unused.finished.set()  # it never ran: no "received 0% of input tensors" warning when it is collected
         self.tensor_part_reducer = BoundedPartReducer(unused.part_shapes, unused.num_senders, clip_factor=clip_factor)
+
+    async def _handle_missing_senders(self):
+        """hivemind's, except that a client-mode sender gets twice ``sender_timeout`` to start.
+
+        A sender counts as started once its first part arrived (hivemind's averager reads it before the runner sees
+        the stream), and a home client's first part crosses a 10 Mbit/s uplink it shares with its other reducers: on
+        the home testbed a public trainer (sender_timeout 1 s) averaged without a volunteer that had begun 70 ms
+        after it, 1.06 s after its own start, and the volunteer took that reducer's parts as its own."""
+        if self.sender_timeout is None:
+            return await super()._handle_missing_senders()
+        for round_index in range(2):
+            try:
+                await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
+                return
+            except asyncio.TimeoutError:
+                for peer_id in self.sender_peer_ids:
+                    late = peer_id not in self.active_senders and peer_id not in self.banned_senders
+                    if late and (round_index > 0 or not self.should_delay_results(peer_id)):
+                        await self._ban_sender(peer_id)
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        """hivemind's, except for a client-mode peer sending to a reducer: it reads the reducer's answer while it
+        sends, so a refusal ends its round at once.
+
+        hivemind's client reads only once every part was sent (the reducer holds a client's results until then).
+        A reducer that refuses the client answers at once and closes the stream: the client began after the
+        reducer's sender_timeout (it was finishing its local step; the reducer then goes on without it), or the
+        reducer's round was over, or the reducer died. The client's next write fails, its input never finishes
+        (hivemind's writer task dies without closing it), and it waited for the answer until its all-reduce timeout:
+        15 s of a stalled training loop on the home testbed, then late for the next rounds (a missed round, a state
+        download, the next round missed again). The reducer's parts are then this peer's own (hivemind's
+        ``register_failed_reducer``), as after any failed reducer. ``reducer_timeout`` runs from the last part sent,
+        as in hivemind."""
+        if peer_id == self.peer_id or not self.should_delay_results(self.peer_id):
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        answers = first = None
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            answers = (await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)).__aiter__()
+            expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+            first = asyncio.ensure_future(answers.__anext__())
+            sent = asyncio.ensure_future(done_sending.wait())
+            try:
+                await asyncio.wait({first, sent}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sent.cancel()
+            for part_index in range(expected):
+                try:
+                    message = await asyncio.wait_for(
+                        first if part_index == 0 else answers.__anext__(), self.reducer_timeout
+                    )
+                except StopAsyncIteration:
+                    raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                delta = await asyncio.get_event_loop().run_in_executor(
+                    None, deserialize_torch_tensor, message.tensor_part
+                )
+                self.tensor_part_container.register_processed_part(peer_index, part_index, delta)
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug("Caught %r when communicating to %s", e, peer_id, exc_info=True)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+        finally:
+            if first is not None and not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+            if answers is not None:
+                await answers.aclose()  # closes the stream and stops hivemind's writer task
 
 
 class _AllowlistServicer:
@@ -224,6 +296,11 @@ class _PolicyAveraging:
                 tensor.add_(update, alpha=self._averaging_alpha)
                 self.last_updated = get_dht_time()
                 self._state_updated.set()
+            container = runner.tensor_part_container
+            if container.total_size and container.failed_size >= container.total_size:
+                # a client whose reducers all refused it (BoundedAllReduceRunner._communicate_with_peer) kept its own
+                # values: hivemind calls that a round, and it would be counted as one taken part in
+                raise AllreduceException("no reducer of the group averaged this peer's parts")
             if refused:
                 logger.warning("Averaging: received %d NaN/inf averaged values; kept the local values there", refused)
             if bounded:
