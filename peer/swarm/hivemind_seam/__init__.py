@@ -364,6 +364,7 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.averaging.partition", "TensorPartContainer", "register_failed_reducer"),
     ("hivemind.averaging.partition", "TensorPartContainer", "failed_size"),
     ("hivemind.averaging.partition", "TensorPartContainer", "total_size"),
+    ("hivemind.averaging.partition", "TensorPartContainer", "finished"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "all_senders_started"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "active_senders"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "banned_senders"),

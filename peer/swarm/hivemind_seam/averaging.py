@@ -170,7 +170,8 @@ class BoundedAllReduceRunner(AllReduceRunner):
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug("Caught %r when communicating to %s", e, peer_id, exc_info=True)
-            self.tensor_part_container.register_failed_reducer(peer_index)
+            if not self.tensor_part_container.finished.is_set():  # a finalized container has dropped its parts
+                self.tensor_part_container.register_failed_reducer(peer_index)
             raise
         finally:
             if first is not None and not first.done():
