@@ -176,15 +176,11 @@ def build_optimizer(
     policy = AveragingPolicy(authorized_peers=authorized_peer_ids(dht), contribution_clip=collab.contribution_clip)
     # averager_opts reach only the state averager; the gradient averager gets the same through its factory
     averager_opts = dict(request_timeout=collab.request_timeout)
-    # hivemind waits matchmaking_time for a sender's first (and next) chunk. A peer enters the round's all-reduce only
-    # when its current local step ends, and a reducer that gives up on it averages without it ("received 50.0% of
-    # input tensors"): in local mode the peers' shared parameters are then apart after the round; in sync mode a home
-    # client ended such rounds with its own gradients (an aux gave up on the volunteers 8 times in 120 s on the home
-    # testbed, with matchmaking_time 1 s). Where an attempt may last longer (local mode's rounds take minutes; an aux's
-    # and a client's attempt is longer, above) the wait is longer; a public sync trainer keeps hivemind's, so that a
-    # vanished sender cannot hold its short attempt.
-    longer_wait = local or (collab.allreduce_timeout is None and (client_mode or auxiliary))
-    next_chunk_timeout = max(collab.matchmaking_time, allreduce_timeout / 3) if longer_wait else None
+    # hivemind waits matchmaking_time for a sender's next chunk; in local mode a peer enters the round's all-reduce
+    # after its current local step (seconds), and a reducer that gives up on it keeps its own pseudo-gradient in that
+    # shard ("received 50.0% of input tensors"), which leaves the peers' shared parameters apart after the round.
+    # Rounds take minutes in this mode, so waiting longer costs little.
+    next_chunk_timeout = max(collab.matchmaking_time, allreduce_timeout / 3) if local else None
     sparse = local and collab.outer_compression == "sparse"
     averager_class = GRADIENT_AVERAGERS["local_sparse" if sparse else collab.sync_mode]
     if local:  # the averager of pseudo-gradients; the wrapped optimizer is the outer one (trainers own the inner)
