@@ -21,6 +21,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import psutil
 
 from benchmarks.testbed.events import EventLog
+from peer.swarm.lifecycle import DEBUG_LOGGERS_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INITIAL_PEERS_RE = re.compile(r"--initial_peers (\S+(?: /\S+)*)")
@@ -88,11 +89,8 @@ class PeerProcess:
             "PYTHONPATH": python_path,
             # a few lines per round, so that a log printed for a failed test says why a round found no group or why
             # the round agreement did (not) repair a difference; loggers named in the caller's own variable are added
-            "LEANHIVE_DEBUG_LOGGERS": ",".join(
-                filter(
-                    None,
-                    ["hivemind.averaging.matchmaking,peer.swarm.agreement", os.environ.get("LEANHIVE_DEBUG_LOGGERS")],
-                )
+            DEBUG_LOGGERS_ENV: ",".join(
+                filter(None, ["hivemind.averaging.matchmaking,peer.swarm.agreement", os.environ.get(DEBUG_LOGGERS_ENV)])
             ),
             **(env or {}),
         }
