@@ -12,13 +12,15 @@ The table prints each time as a ratio to the single-donor time (the target: 3 do
 The state's size is set by ``--width`` (the donors' model: Linear(128, W), Linear(W, 128); W=16384 gives 25.6 MB).
 A download over a link is its bytes over the link's rate, so the ratios carry over to any state size (the
 ``small`` preset's 747 MB takes ~29x as long at every donor count); the request overhead (manifests, a round trip
-per 4 MiB part) is what a smaller state overstates, if anything.
+per 4 MiB part) is what a smaller state overstates, if anything. ``--preset small`` measures the ``small`` preset's own
+state instead (LeanHive's model; about 20 minutes and 21 GB of RAM for the three donors and the joiner).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -62,7 +64,12 @@ def _joiner(args) -> int:
         record_validators=make_validators(args.run_id, key)[0],
     )
     optimizer = make_optimizer(
-        make_model(2, width=args.width), dht, args.run_id, key, max_donors=args.max_donors, load_state_attempts=1
+        make_model(2, width=args.width, preset=args.preset),
+        dht,
+        args.run_id,
+        key,
+        max_donors=args.max_donors,
+        load_state_attempts=1,
     )
     optimizer.state_averager.allow_state_sharing = False
     started = time.monotonic()
@@ -90,6 +97,11 @@ def _parts(log: str) -> dict:
 def measure(args) -> List[dict]:
     from benchmarks.testbed.netem.hosts import Testbed
 
+    if args.preset:
+        # glibc keeps the freed copies a peer makes of a large state (the host process's answer, the flattened
+        # snapshot) mapped; three `small` donors and a joiner then overrun 24 GiB. Returned at once, they fit.
+        os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     folder = Path(args.folder or tempfile.mkdtemp(prefix="multi_donor_"))
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -113,10 +125,11 @@ def measure(args) -> List[dict]:
                     str(ready),
                     "--width",
                     str(args.width),
+                    *(["--preset", args.preset] if args.preset else []),
                     "--host",
                     host.ip,
-                    "--state_out",
-                    str(folder / f"d{index}.pt"),
+                    # the reference the joiner compares with (one copy: they all hold the same state)
+                    *(["--state_out", str(folder / "d0.pt")] if index == 0 else []),
                     "--max_joiners",
                     "2",
                     "--part_bytes",
@@ -136,6 +149,7 @@ def measure(args) -> List[dict]:
             log_path = folder / f"joiner_{count}.log"
             process = joiner_host.python(
                 "-m", "benchmarks.multi_donor", "--joiner", "--max_donors", str(count), "--width", str(args.width),
+                *(["--preset", args.preset] if args.preset else []),
                 "--host", joiner_host.ip, "--run_id", "multi_donor", "--log", str(log_path),
                 "--reference", str(folder / "d0.pt"), "--initial_peers", *join,
                 stdout=__import__("subprocess").PIPE, text=True,
@@ -165,6 +179,12 @@ JOINER_IDLE_PAUSE = 2.0
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=16384)
+    parser.add_argument(
+        "--preset",
+        default=None,
+        help="donors hold LeanHive's model of this preset (e.g. small; --width is then unused). Give --part_bytes "
+        "4194304 for the default partition and a --timeout of the single-donor download (small: ~700 s at 10 Mbit/s)",
+    )
     parser.add_argument("--uplink_mbit", type=float, default=10.0)
     parser.add_argument(
         "--part_bytes",
@@ -175,7 +195,9 @@ def main(argv=None) -> int:
     parser.add_argument("--downlink_mbit", type=float, default=50.0)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--folder", default=None)
-    parser.add_argument("--json", default=str(MEASURED))
+    parser.add_argument(
+        "--json", default=None, help="where the run is recorded (default: measured/multi_donor[_<preset>].json)"
+    )
     # the joiner's own process (started by measure() in its namespace)
     parser.add_argument("--joiner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--max_donors", type=int, default=1, help=argparse.SUPPRESS)
@@ -213,13 +235,19 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "machine": "2 shared CPU cores, network namespaces, tbf",
         "setup": dict(
-            width=args.width, state_mb=state_mb, uplink_mbit=args.uplink_mbit, downlink_mbit=args.downlink_mbit
+            width=args.width,
+            preset=args.preset,
+            part_bytes=args.part_bytes,
+            state_mb=state_mb,
+            uplink_mbit=args.uplink_mbit,
+            downlink_mbit=args.downlink_mbit,
         ),
         # as ``python -m benchmarks.docs --record`` stores a printed table (numbers as numbers, with their format)
         "tables": {"main": parse_markdown_tables(table)[0]},
         "rows": rows,
     }
-    Path(args.json).write_text(run_json(record))
+    default = MEASURED.with_name(f"multi_donor_{args.preset}.json") if args.preset else MEASURED
+    Path(args.json or default).write_text(run_json(record))
     return 0
 
 

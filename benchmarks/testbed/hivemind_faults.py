@@ -5,7 +5,7 @@ production seam's are.
 
 - ``DecentralizedAverager._run_allreduce_inplace_``: wrapped by ``AllReduceFaults`` to corrupt what a peer sends, or
   to die in the middle of a round;
-- ``AllReduceRunner._generate_input_for_peer``: replaced by ``send_bad_shapes`` (parts of the wrong shape);
+- ``BoundedAllReduceRunner._generate_input_for_peer``: wrapped by ``send_bad_shapes`` (parts of the wrong shape);
 - ``RSASignatureValidator._serialize_record``: the bytes a record's signature covers (``record_bytes_to_sign``), to
   sign crafted records exactly as an honest peer does.
 """
@@ -47,14 +47,13 @@ class AllReduceFaults:
 
 def send_bad_shapes() -> None:
     """From now on, every part this process sends to another reducer is a 1-element tensor."""
-    from hivemind.averaging.allreduce import AllReduceRunner
     from hivemind.compression import serialize_torch_tensor
 
     from peer.swarm.hivemind_seam import BoundedAllReduceRunner
 
     if getattr(BoundedAllReduceRunner, "_bad_shapes", False):
         return
-    original = AllReduceRunner._generate_input_for_peer
+    original = BoundedAllReduceRunner._generate_input_for_peer
 
     async def bad_shapes(self, peer_index):
         async for message in original(self, peer_index):

@@ -32,7 +32,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import AsyncIterator, List
+from typing import AsyncIterator, List, Optional
 
 import hivemind
 import torch
@@ -41,6 +41,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from benchmarks.testbed.processes import PeerProcess, share_tensors_by_file_descriptor
+from model import LeanGPTForCausalLM, load_config
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
 from peer.swarm.hivemind_seam import LeanHiveStateAverager
 from peer.swarm.network import make_validators
@@ -52,9 +53,15 @@ logger = logging.getLogger("state_donor")
 MODES = ("honest", "cut", "wrong_part", "wrong_manifest")
 
 
-def make_model(seed: int, width: int = 4096, inner: int = 128) -> torch.nn.Module:
-    """The model of donors and joiners: its first weight is [4096, 128], the shape of the relay-cut report."""
+def make_model(seed: int, width: int = 4096, inner: int = 128, preset: Optional[str] = None) -> torch.nn.Module:
+    """The model of donors and joiners: its first weight is [4096, 128], the shape of the relay-cut report.
+
+    With ``preset`` (a model preset name, e.g. ``small``) it is LeanHive's own model of that preset instead, so that
+    the state served is the one a swarm of that preset holds (its tensors, sizes and 8-bit statistics).
+    """
     torch.manual_seed(seed)
+    if preset is not None:
+        return LeanGPTForCausalLM(load_config(preset))
     return torch.nn.Sequential(torch.nn.Linear(inner, width), torch.nn.ReLU(), torch.nn.Linear(width, inner))
 
 
@@ -175,6 +182,7 @@ def main(argv) -> int:
     parser.add_argument("--part_bytes", type=int, default=DEFAULT_PART_BYTES)
     parser.add_argument("--no_parts", action="store_true")
     parser.add_argument("--width", type=int, default=4096, help="the model's hidden width (the state's size)")
+    parser.add_argument("--preset", default=None, help="serve the state of this model preset's LeanHive model instead")
     parser.add_argument("--host", default="127.0.0.1", help="the address it listens on")
     parser.add_argument(
         "--round_after_parts",
@@ -210,7 +218,9 @@ def main(argv) -> int:
         record_validators=make_validators(args.run_id, key)[0],
     )
     extra = {} if args.max_joiners is None else {"serve_max_joiners": args.max_joiners}
-    optimizer = make_optimizer(make_model(args.seed, width=args.width), dht, args.run_id, key, **extra)
+    optimizer = make_optimizer(
+        make_model(args.seed, width=args.width, preset=args.preset), dht, args.run_id, key, **extra
+    )
     if args.state_out:
         _, tensors, _ = optimizer.state_averager.get_current_state()
         torch.save([t.clone() for t in tensors], args.state_out)

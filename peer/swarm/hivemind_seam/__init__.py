@@ -42,6 +42,14 @@ Averaging (both averagers of hivemind.Optimizer)
   it waited until its all-reduce timeout. A round in which no reducer averaged anything fails instead of counting as
   averaged (``_run_allreduce_inplace_``). ``_handle_missing_senders`` (override of a private method): a client-mode
   sender gets twice sender_timeout to start (its first part counts, and it crosses a home uplink).
+- ``same_result`` (gradient averagers only): every peer of a round takes the same result. hivemind's reducer answers
+  each sender with its own compressed delta, so a lossy wire compression left every synchronous trainer with its own
+  rounding of the average. ``_generate_input_for_peer`` (override of a private method) marks a sender's first part
+  (``SAME_RESULT_MARK`` in the ``peer_id`` field, which hivemind leaves unused there); ``_accumulate_parts_streaming``
+  (override of a private method) answers a marked sender with the part's average, encoded once for the group, and
+  the reducer takes that encoding as its own result too; unmarked senders (an older peer) still get deltas, and an
+  unmarked answer is turned into a result (own part + delta). The container returns results, not deltas
+  (``return_deltas``), and ``_run_allreduce_inplace_`` copies them in.
 - ``schedule_step`` (override, ``GradientAverager`` and ``TrainingStateAverager``): a client-mode peer schedules its
   round at ``client_join_expiration`` (just before its deadline), the expiration it sends leaders; with hivemind's
   ``now + min_matchmaking_time`` a leader that scheduled a moment later (an assisting aux polling for rounds)
@@ -273,6 +281,16 @@ OVERRIDDEN_METHODS = [
         "(self, peer_id: hivemind.p2p.p2p_daemon_bindings.datastructures.PeerID)",
     ),
     (AllReduceRunner, "_handle_missing_senders", "(self)"),
+    (
+        AllReduceRunner,
+        "_generate_input_for_peer",
+        "(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]",
+    ),
+    (
+        AllReduceRunner,
+        "_accumulate_parts_streaming",
+        "(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int)",
+    ),
     (hivemind.Optimizer, "_make_state_averager", "(self, **kwargs) -> 'TrainingStateAverager'"),
     (hivemind.Optimizer, "_make_progress_tracker", "(self, target_batch_size: 'int', **kwargs) -> 'ProgressTracker'"),
     (
@@ -370,6 +388,21 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.averaging.allreduce", "AllReduceRunner", "banned_senders"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "_ban_sender"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "sender_timeout"),
+    # every peer of a gradient round takes the same result (BoundedAllReduceRunner's same_result)
+    ("hivemind.averaging.partition", "TensorPartContainer", "return_deltas"),
+    ("hivemind.averaging.partition", "TensorPartContainer", "_input_parts_by_peer"),
+    ("hivemind.averaging.partition", "TensorPartContainer", "iterate_input_parts_for"),
+    ("hivemind.averaging.partition", "TensorPartContainer", "compression"),
+    ("hivemind.averaging.partition", "TensorPartContainer", "prefetch"),
+    ("hivemind.averaging.partition", "TensorPartReducer", "accumulate_part"),
+    ("hivemind.averaging.partition", "TensorPartReducer", "num_parts"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "parts_for_local_averaging"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "tensor_part_reducer"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "ordered_peer_ids"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "sender_peer_ids"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "group_id"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "weight"),
+    ("hivemind.averaging.allreduce", "AllReduceRunner", "peer_id"),
 ]
 
 # --outer_compression sparse (``sparse_wire``; its docstring says what and why). Its own block, appended: its

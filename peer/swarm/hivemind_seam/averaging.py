@@ -10,20 +10,20 @@ import random
 import time
 from dataclasses import dataclass
 from itertools import chain
-from typing import FrozenSet, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import hivemind
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.averaging.partition import AllreduceException, TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import as_aiter, attach_event_on_finished, azip
+from hivemind.utils.asyncio import amap_in_executor, anext, as_aiter, attach_event_on_finished, azip
 from hivemind.utils.nested import nested_flatten, nested_pack
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
@@ -100,12 +100,39 @@ class _PartCollector:
         return bounded_mean(self.parts, self.weights, self.clip_factor)
 
 
+SAME_RESULT_MARK = b"leanhive/same-result/1"
+"""Set in the ``peer_id`` field of a sender's first part and of a reducer's answers (hivemind 1.1.12 leaves that field
+unused in all-reduce streams): the sender asks for, and the reducer answers with, the part's average itself, encoded
+once for the whole group (``BoundedAllReduceRunner``). Peers without it exchange hivemind's deltas."""
+
+
 class BoundedAllReduceRunner(AllReduceRunner):
-    def __init__(self, *, clip_factor: float, **kwargs):
+    """hivemind's runner with ``bounded_mean`` for the average, a client path that reads answers while it sends, a
+    longer start for client senders and, with ``same_result``, one result for the whole group.
+
+    ``same_result``: hivemind's reducer answers each sender ``Q(average - Q(its part))`` (Q: the wire compression)
+    and the sender adds that to its own part, so every peer ends with the average plus its own rounding errors (and
+    the reducer, which keeps its own shard uncompressed, with none). A lossy compression therefore leaves the peers
+    of a synchronous swarm apart after every round, and LAMB's normalized step turns the rounding of a near-zero
+    gradient into up to a whole step of difference. On the home testbed the three trainers of a busy run were up to
+    0.018 apart after rounds that all succeeded. With ``same_result`` the reducer encodes each averaged part once
+    and sends those bytes to every sender that asks for them (``SAME_RESULT_MARK``); each peer, the reducer
+    included, takes the decoded part as its result. Every peer of a round then holds the same bits. The rounding is
+    that of the encoded average rather than of a delta: on 8-bit codes, peers whose parts are close (noise 0.3 of
+    the signal) end 0.7 % of a standard deviation from the mean instead of 0.3 to 0.5 %
+    (tests/swarm/test_same_result.py); gradients of different batches differ more than that, and the delta's range
+    is then no narrower. An older reducer's delta is turned into a result here (own part + delta)."""
+
+    def __init__(self, *, clip_factor: float, same_result: bool = False, **kwargs):
         super().__init__(**kwargs)
         unused = self.tensor_part_reducer
         unused.finished.set()  # it never ran: no "received 0% of input tensors" warning when it is collected
         self.tensor_part_reducer = BoundedPartReducer(unused.part_shapes, unused.num_senders, clip_factor=clip_factor)
+        self.same_result = same_result
+        self.tensor_part_container.return_deltas = not same_result  # a failed reducer's parts: our own values
+        # (part, compression info) for each peer's shard, kept here: the container drops them when it is finalized
+        self._parts_by_peer = [list(parts) for parts in self.tensor_part_container._input_parts_by_peer]
+        self._encoded_averages: Dict[int, asyncio.Future] = {}
 
     async def _handle_missing_senders(self):
         """hivemind's, except that a client-mode sender gets twice ``sender_timeout`` to start.
@@ -127,8 +154,10 @@ class BoundedAllReduceRunner(AllReduceRunner):
                         await self._ban_sender(peer_id)
 
     async def _communicate_with_peer(self, peer_id: PeerID):
-        """hivemind's, except for a client-mode peer sending to a reducer: it reads the reducer's answer while it
-        sends, so a refusal ends its round at once.
+        """hivemind's, except for a client-mode peer sending to a reducer, and for answers that are results
+        (``same_result``, see the class docstring; this peer's own shard: ``_average_own_shard``).
+
+        A client reads the reducer's answer while it sends, so a refusal ends its round at once.
 
         hivemind's client reads only once every part was sent (the reducer holds a client's results until then).
         A reducer that refuses the client answers at once and closes the stream: the client began after the
@@ -139,7 +168,10 @@ class BoundedAllReduceRunner(AllReduceRunner):
         download, the next round missed again). The reducer's parts are then this peer's own (hivemind's
         ``register_failed_reducer``), as after any failed reducer. ``reducer_timeout`` runs from the last part sent,
         as in hivemind."""
-        if peer_id == self.peer_id or not self.should_delay_results(self.peer_id):
+        if peer_id == self.peer_id:
+            return await self._average_own_shard()
+        client = self.should_delay_results(self.peer_id)
+        if not client and not self.same_result:
             return await super()._communicate_with_peer(peer_id)
         peer_index = self.ordered_peer_ids.index(peer_id)
         answers = first = None
@@ -149,11 +181,12 @@ class BoundedAllReduceRunner(AllReduceRunner):
             answers = (await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)).__aiter__()
             expected = self.tensor_part_container.num_parts_by_peer[peer_index]
             first = asyncio.ensure_future(answers.__anext__())
-            sent = asyncio.ensure_future(done_sending.wait())
-            try:
-                await asyncio.wait({first, sent}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                sent.cancel()
+            if client:
+                sent = asyncio.ensure_future(done_sending.wait())
+                try:
+                    await asyncio.wait({first, sent}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    sent.cancel()
             for part_index in range(expected):
                 try:
                     message = await asyncio.wait_for(
@@ -163,10 +196,10 @@ class BoundedAllReduceRunner(AllReduceRunner):
                     raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-                delta = await asyncio.get_event_loop().run_in_executor(
-                    None, deserialize_torch_tensor, message.tensor_part
+                result = await asyncio.get_event_loop().run_in_executor(
+                    None, self._result_of, peer_index, part_index, message
                 )
-                self.tensor_part_container.register_processed_part(peer_index, part_index, delta)
+                self.tensor_part_container.register_processed_part(peer_index, part_index, result)
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug("Caught %r when communicating to %s", e, peer_id, exc_info=True)
@@ -179,6 +212,98 @@ class BoundedAllReduceRunner(AllReduceRunner):
                 await asyncio.gather(first, return_exceptions=True)
             if answers is not None:
                 await answers.aclose()  # closes the stream and stops hivemind's writer task
+
+    def _result_of(self, peer_index: int, part_index: int, message: averaging_pb2.AveragingData) -> torch.Tensor:
+        """What the container gets for a reducer's answer: hivemind's delta, or with ``same_result`` the result."""
+        value = deserialize_torch_tensor(message.tensor_part)
+        if not self.same_result or message.peer_id == SAME_RESULT_MARK:
+            return value
+        own, _ = self._parts_by_peer[peer_index][part_index]
+        return own + value  # an older reducer's delta
+
+    async def _average_own_shard(self):
+        """hivemind's local branch of ``_communicate_with_peer``; with ``same_result`` this peer's result for its
+        own shard is the encoded average every sender gets, not the exact one."""
+        peer_index = self.ordered_peer_ids.index(self.peer_id)
+        sender_index = self.sender_peer_ids.index(self.peer_id)
+        loop = asyncio.get_event_loop()
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged_part = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            if self.same_result:
+                encoded = await self._encoded_average(part_index, averaged_part)
+                result = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
+            else:
+                result = averaged_part - tensor_part
+            self.tensor_part_container.register_processed_part(peer_index, part_index, result)
+
+    async def _encoded_average(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
+        """The averaged part of this reducer's shard, encoded once (as this peer sends that part) for every
+        sender that asks for the result itself and for this peer's own result."""
+        future = self._encoded_averages.get(part_index)
+        if future is None:
+            _, info = self._parts_by_peer[self.ordered_peer_ids.index(self.peer_id)][part_index]
+            compress = self.tensor_part_container.compression.compress
+            future = asyncio.get_event_loop().run_in_executor(None, compress, averaged_part, info)
+            self._encoded_averages[part_index] = future
+        return await asyncio.shield(future)  # one cancelled sender must not cancel the others' answer
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, with ``SAME_RESULT_MARK`` in the first part when this runner wants the result itself."""
+        parts = self.tensor_part_container.iterate_input_parts_for(peer_index)
+        first_part = await anext(parts)
+        yield averaging_pb2.AveragingData(
+            code=averaging_pb2.PART_FOR_AVERAGING,
+            group_id=self.group_id,
+            tensor_part=first_part,
+            weight=self.weight,
+            peer_id=SAME_RESULT_MARK if self.same_result else b"",
+        )
+        async for part in parts:
+            yield averaging_pb2.AveragingData(tensor_part=part, weight=self.weight)
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
+        """hivemind's, except that a sender whose first part carries ``SAME_RESULT_MARK`` is answered with the
+        encoded average (``_encoded_average``), marked, instead of its delta."""
+        part_index = 0
+        wants_result = None
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, weight, part_compression, mark in amap_in_executor(
+                lambda msg: (
+                    deserialize_torch_tensor(msg.tensor_part),
+                    msg.weight,
+                    msg.tensor_part.compression,
+                    msg.peer_id,
+                ),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                if wants_result is None:
+                    wants_result = mark == SAME_RESULT_MARK
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    logger.debug("Sender %d is already banned", sender_index)
+                    break  # sender was banned, we no longer need to aggregate it
+
+                if wants_result:
+                    encoded = await self._encoded_average(part_index - 1, averaged_part)
+                    yield averaging_pb2.AveragingData(
+                        code=averaging_pb2.AVERAGED_PART, tensor_part=encoded, peer_id=SAME_RESULT_MARK
+                    )
+                else:
+                    serialized_delta = await loop.run_in_executor(
+                        None, lambda: serialize_torch_tensor(averaged_part - tensor_part, part_compression)
+                    )
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized_delta)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
 class _AllowlistServicer:
@@ -273,6 +398,7 @@ class _PolicyAveraging:
         group_id = group_info.group_id if group_id is None else group_id
         runner = BoundedAllReduceRunner(
             clip_factor=self.policy.contribution_clip,
+            same_result=self._same_result,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -289,12 +415,18 @@ class _PolicyAveraging:
             # two contributors: the median cannot tell the faulty one, so bound what the other can do to us
             two_peers = self._bound_two_peer_rounds and self.policy.contribution_clip > 0
             two_peers = two_peers and len(runner.sender_peer_ids) == 2 and runner.weight > 0
-            async for tensor, update in azip(as_aiter(*tensors), runner):
+            async for tensor, output in azip(as_aiter(*tensors), runner):
                 received += 1
-                refused += keep_local_where_not_finite(update)
-                if two_peers:
-                    bounded += bound_two_peer_update(update, tensor)
-                tensor.add_(update, alpha=self._averaging_alpha)
+                # the checks below work on the update (average - own); with same_result the output is the result
+                update = output - tensor if runner.same_result else output
+                not_finite = keep_local_where_not_finite(update)
+                refused += not_finite
+                was_bounded = two_peers and bound_two_peer_update(update, tensor)
+                bounded += was_bounded
+                if runner.same_result and not (not_finite or was_bounded) and self._averaging_alpha == 1:
+                    tensor.copy_(output)  # the group's very bits: own + (result - own) may round differently
+                else:
+                    tensor.add_(update, alpha=self._averaging_alpha)
                 self.last_updated = get_dht_time()
                 self._state_updated.set()
             container = runner.tensor_part_container
@@ -317,6 +449,9 @@ class _PolicyAveraging:
     _bound_two_peer_rounds = False
     """Bound each tensor's update in a two-contributor round (``bound_two_peer_update``): gradients only (a
     parameter or statistic tensor may legitimately be all zeros, which would freeze it)."""
+    _same_result = False
+    """Every peer takes the group's encoded average itself (``BoundedAllReduceRunner``): for gradients. The state
+    averager keeps hivemind's deltas: an encoded absolute parameter would lose the precision a delta keeps."""
 
 
 def _finite_floats(tensors) -> bool:
@@ -807,9 +942,11 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
 
 class LeanHiveGradientAverager(_PolicyAveraging, GradientAverager):
     """GradientAverager that applies ``policy`` (allowlist for its RPCs, bounded contributions, bounded two-peer
-    rounds)."""
+    rounds); every peer of a round takes the same averaged gradients (``BoundedAllReduceRunner``'s ``same_result``),
+    so peers that hold the same state take the same step."""
 
     _bound_two_peer_rounds = True
+    _same_result = True
 
 
 class PseudoGradientAverager(LeanHiveGradientAverager):
@@ -824,6 +961,7 @@ class PseudoGradientAverager(LeanHiveGradientAverager):
     Its prefix is ``<run_id>_outer_averager``, so peers of the two modes never meet in one all-reduce."""
 
     _bound_two_peer_rounds = False
+    _same_result = False  # not measured in local mode yet; its round agreement (peer.swarm.agreement) repairs drift
     # The two-peer bound of gradients (``bound_two_peer_update``) bounds each receiver by its own contribution, so
     # the two peers of a round apply different results: harmless for one gradient step, but here it leaves their
     # shared parameters apart (the mode's invariant is that every peer holds the same ones), even after honest

@@ -1,0 +1,100 @@
+"""Every peer of a gradient round ends with the same bits (real hivemind averagers, each in its own averager process
+with its own p2pd, on loopback, with hivemind's lossy 8-bit wire compression).
+
+hivemind's reducer answers each sender with its own compressed delta, so peers that averaged together hold different
+results (the average plus their own rounding). In a synchronous swarm that sets the trainers apart after every round;
+``BoundedAllReduceRunner``'s ``same_result`` sends every peer the one encoded average instead. Peers of an older
+LeanHive (hivemind's deltas) still average with it."""
+
+from __future__ import annotations
+
+from concurrent.futures import wait
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import Uniform8BitQuantization
+
+from peer.swarm.hivemind_seam.averaging import _PolicyAveraging
+
+SIZE = 300_000  # several parts per reducer (hivemind cuts parts of 512 KiB after compression)
+
+
+def _averager(same_result: bool) -> type:
+    """The seam's averaging over hivemind's plain averager; without ``same_result`` it exchanges hivemind's deltas (an
+    older LeanHive, or the state averager). One class name for both: hivemind names its RPCs after the class."""
+    return type("_Averager", (_PolicyAveraging, DecentralizedAverager), {"_same_result": same_result})
+
+
+_SameResult, _Deltas = _averager(True), _averager(False)
+
+
+def _inputs():
+    """Three peers' gradients: a common direction and their own noise (alike enough that the bounded mean is the
+    mean: no contribution is an outlier)."""
+    generator = torch.Generator().manual_seed(0)
+    common = torch.randn(SIZE, generator=generator)
+    return [common + 0.3 * torch.randn(SIZE, generator=generator) for _ in range(3)]
+
+
+def _round(kinds):
+    """One round of three averagers of the given classes; returns each peer's result and the exact mean."""
+    inputs = _inputs()
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [first] + [hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs()) for _ in kinds[1:]]
+    averagers = [
+        kind(
+            [tensor.clone()],
+            dht,
+            prefix="same_result",
+            target_group_size=3,
+            min_group_size=3,
+            min_matchmaking_time=2.0,
+            request_timeout=1.0,
+            compression=Uniform8BitQuantization(),
+            start=True,
+        )
+        for kind, dht, tensor in zip(kinds, dhts, inputs)
+    ]
+    try:
+        steps = [averager.step(wait=False, timeout=30) for averager in averagers]
+        wait(steps, timeout=60)
+        for step in steps:
+            step.result(0)
+        results = []
+        for averager in averagers:
+            with averager.get_tensors() as tensors:
+                results.append(tensors[0].clone())
+        return results, torch.stack(inputs).mean(0)
+    finally:
+        for item in averagers + dhts:
+            item.shutdown()
+
+
+def _close_to(result: torch.Tensor, mean: torch.Tensor) -> bool:
+    """Within the 8-bit codes' rounding of the mean (256 levels over a few standard deviations)."""
+    return float((result - mean).abs().mean()) < 0.02 * float(mean.std())  # measured: 0.003 to 0.007 of it
+
+
+@pytest.mark.timeout(120)
+def test_peers_of_a_round_end_with_the_same_bits():
+    results, mean = _round([_SameResult] * 3)
+    assert all(torch.equal(results[0], other) for other in results[1:])
+    assert all(_close_to(result, mean) for result in results)
+
+
+@pytest.mark.timeout(120)
+def test_with_deltas_the_peers_end_apart():
+    """The control: hivemind's deltas leave each peer with its own rounding (what same_result removes)."""
+    results, mean = _round([_Deltas] * 3)
+    assert not torch.equal(results[0], results[1]) and not torch.equal(results[1], results[2])
+    assert all(_close_to(result, mean) for result in results)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_sends_deltas_still_averages_with_the_others():
+    """An older peer gets its delta from the new reducers and answers the new senders with deltas, which they turn
+    into results: every peer ends at the average."""
+    results, mean = _round([_Deltas, _SameResult, _SameResult])
+    assert all(_close_to(result, mean) for result in results)
