@@ -93,16 +93,24 @@ class SwarmReplica:
             )
 
     def assist_step(self) -> None:
-        """One auxiliary step: join the all-reduce round that is due, contributing bandwidth but no data."""
+        """One auxiliary step: join the all-reduce round that is due, contributing bandwidth but no data. When the
+        round's result arrived, the optimizer took the trainers' step with it (``LeanHiveOptimizer``): a state that
+        was the swarm's stays the swarm's at the new epoch. Otherwise hivemind advanced the epoch label without
+        touching the parameters, and the state is no longer offered."""
         with self._lock:
+            averager = self.optimizer.state_averager
+            fresh = self.held_epoch is not None and self.held_epoch == self.optimizer.local_epoch
+            steps = getattr(averager, "auxiliary_steps", 0)
             self.optimizer.step()
-            self._update_sharing()  # hivemind advances our epoch label without touching our parameters
+            if fresh and getattr(averager, "auxiliary_steps", 0) != steps:
+                self.held_epoch = self.optimizer.local_epoch
+            self._update_sharing()
 
     def anchor(self) -> bool:
         """A swarm of client-mode trainers only: nobody else can serve the state, so this aux offers its own at its
-        current epoch (its parameters take part in every state averaging round it assists, so they follow the
-        swarm's) and reports that epoch as its progress, which the clients' epoch consensus needs. True if it
-        (re)adopted an epoch."""
+        current epoch (with each round's result it takes the trainers' optimizer step, and its parameters take part
+        in every state averaging round it assists, so its state follows the swarm's) and reports that epoch as its
+        progress, which the clients' epoch consensus needs. True if it (re)adopted an epoch."""
         with self._lock:
             epoch = self.optimizer.local_epoch
             if self.held_epoch == epoch:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import List, Optional, Protocol
 
 import hivemind
@@ -61,11 +62,53 @@ class TrainingStrategy(Protocol):
     def learning_rate(self) -> float: ...
 
 
-class SyncTraining:
-    """``--sync_mode sync``: the swarm averages gradients and takes one optimizer step per global epoch."""
+def resync_after_missed_round(optimizer: LeanHiveOptimizer, watchdog: Optional[DHTWatchdog]) -> None:
+    """This peer's contribution missed the last all-reduce (``LeanHiveOptimizer.missed_round``), so hivemind stepped
+    with it alone; take the state of a peer that made the round (else train on: the next state averaging round pulls
+    this peer's parameters back)."""
+    optimizer.missed_round = False
+    if watchdog is not None and watchdog.isolated:
+        # cut off from every peer: nobody can send a state now; the run loop pauses, then re-syncs on reconnect
+        logger.warning("Missed the all-reduce before round %d while cut off from every peer", optimizer.local_epoch)
+        return
+    logger.warning("Missed the all-reduce before round %d: loading the swarm's state", optimizer.local_epoch)
+    if optimizer.load_state_checked():
+        events.emit("state_loaded", epoch=optimizer.local_epoch, source="swarm", reason="missed_round", path=None)
 
-    def __init__(self, optimizer: LeanHiveOptimizer, batch_size_per_step: int):
+
+RESYNC_EVERY_EPOCHS = 3
+"""Sync mode: at most one re-sync download per this many epochs (a round missed sooner after the last download waits
+for the next one)."""
+RESYNC_EPOCH_SHARE = 0.25
+"""Sync mode: re-sync only while this peer's last state download took at most this share of an epoch. A longer one
+makes the peer late for the next round as well: on the home testbed (epochs of 4 s, downloads of 1 to 4 s with the
+donor's snapshot and the catch-up to the swarm's epoch) every download cost the next round, the volunteers took
+part in 54 % of the rounds instead of 90 % or more, and the public trainer lost rounds too."""
+
+
+class SyncTraining:
+    """``--sync_mode sync``: the swarm averages gradients and takes one optimizer step per global epoch.
+
+    After a gradient round this peer missed, it downloads the swarm's state when that is at most
+    ``resync_max_mb`` (``--missed_round_resync_mb``): hivemind's own-gradient step leaves a gap in the parameters and
+    LAMB statistics that lasts many epochs; a larger state is not worth one step's gap. Not when a download takes
+    more than ``RESYNC_EPOCH_SHARE`` of an epoch (measured: this peer's last download, the mean epoch), and at most
+    once per ``RESYNC_EVERY_EPOCHS`` epochs."""
+
+    def __init__(
+        self,
+        optimizer: LeanHiveOptimizer,
+        batch_size_per_step: int,
+        *,
+        resync_max_mb: float = 0.0,
+        watchdog: Optional[DHTWatchdog] = None,
+    ):
         self.optimizer, self.batch_size_per_step = optimizer, batch_size_per_step
+        self.resync_max_mb, self.watchdog = resync_max_mb, watchdog
+        self._behind = False  # a missed round not yet repaired
+        self._last_resync: Optional[int] = None  # the epoch of the last re-sync download
+        self._epoch_ended: Optional[float] = None  # monotonic time the last epoch ended
+        self._epoch_seconds: Optional[float] = None  # mean seconds per epoch (exponential, recent epochs weigh more)
 
     def before_step(self) -> None:
         pass
@@ -84,7 +127,46 @@ class SyncTraining:
         self.optimizer.zero_grad(set_to_none=False)
 
     def end_epoch(self) -> None:
-        pass
+        epoch = self.optimizer.local_epoch
+        self._time_epoch()
+        if self.optimizer.missed_round:
+            state_mb = self.optimizer.state_averager.state_bytes() / 1e6
+            if state_mb > self.resync_max_mb:
+                self.optimizer.missed_round = False
+                logger.info(
+                    "Missed the all-reduce before round %d: stepped with this peer's own gradients (the state, %.0f "
+                    "MB, is above --missed_round_resync_mb %g)",
+                    epoch,
+                    state_mb,
+                    self.resync_max_mb,
+                )
+                return
+            self._behind = True
+        if not self._behind or (self._last_resync is not None and epoch - self._last_resync < RESYNC_EVERY_EPOCHS):
+            return
+        download = self.optimizer.last_download_seconds
+        if download is not None and self._epoch_seconds is not None:
+            if download > RESYNC_EPOCH_SHARE * self._epoch_seconds:
+                self._behind = self.optimizer.missed_round = False
+                logger.info(
+                    "Missed the all-reduce before round %d: stepped with this peer's own gradients (a state download "
+                    "took %.1f s, more than %.0f%% of an epoch of %.1f s: it would miss the next round as well)",
+                    epoch,
+                    download,
+                    100 * RESYNC_EPOCH_SHARE,
+                    self._epoch_seconds,
+                )
+                return
+        self._behind, self._last_resync = False, epoch
+        resync_after_missed_round(self.optimizer, self.watchdog)
+
+    def _time_epoch(self) -> None:
+        now = time.monotonic()
+        if self._epoch_ended is not None:
+            seconds = now - self._epoch_ended
+            mean = self._epoch_seconds
+            self._epoch_seconds = seconds if mean is None else 0.7 * mean + 0.3 * seconds
+        self._epoch_ended = now
 
     def learning_rate(self) -> float:
         return self.optimizer.opt.param_groups[0]["lr"]
@@ -183,7 +265,7 @@ class LocalTraining:
 
     def end_epoch(self) -> None:
         if self.optimizer.missed_round:
-            self._resync_after_missed_round()
+            resync_after_missed_round(self.optimizer, self.watchdog)
         if self.agreement.pending():  # the previous round's check, when this round was shorter than its wait
             self._follow_agreement()
         loads = self.optimizer.state_loads
@@ -205,19 +287,3 @@ class LocalTraining:
             )
         else:
             logger.warning("Could not download the state that won the vote of epoch %d: training on", epoch)
-
-    def _resync_after_missed_round(self) -> None:
-        """This peer's pseudo-gradient missed the round's all-reduce; take the shared state of a peer that made it
-        (else train on: the next state averaging round pulls this peer back)."""
-        self.optimizer.missed_round = False
-        if self.watchdog is not None and self.watchdog.isolated:
-            # cut off from every peer: nobody can send a state now; the run loop pauses, then re-syncs on reconnect
-            logger.warning(
-                "Missed the all-reduce before round %d while cut off from every peer", self.optimizer.local_epoch
-            )
-            return
-        logger.warning("Missed the all-reduce before round %d: loading the swarm's state", self.optimizer.local_epoch)
-        if self.optimizer.load_state_checked():
-            events.emit(
-                "state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="missed_round", path=None
-            )

@@ -246,7 +246,12 @@ class TrainerPeer:
                 stop_requested=control.stop_requested,
             )
         else:
-            strategy = SyncTraining(optimizer, batch_size_per_step(train))
+            strategy = SyncTraining(
+                optimizer,
+                batch_size_per_step(train),
+                resync_max_mb=collab.missed_round_resync_mb,
+                watchdog=swarm.watchdog,
+            )
         peer = cls(
             config=config,
             control=control,

@@ -72,6 +72,11 @@ class CollaborationArguments:
     serve_max_joiners: int = 2
     """This peer sends its state to at most this many downloading peers at a time; the others are told it is busy
     and ask another peer (its uplink also carries its averaging rounds)."""
+    missed_round_resync_mb: float = 64.0
+    """sync mode: after a gradient round this peer missed (hivemind then steps with this peer's own gradients, which
+    leaves its parameters and optimizer statistics apart from the swarm's for many epochs), download the swarm's
+    state if it is at most this many MB: one download instead of a lasting gap. 0: never (larger states are not
+    downloaded for one missed step). local mode always re-syncs after a missed round."""
     contribution_clip: float = 4.0
     """Robust averaging: NaN/inf contributions are dropped and each peer's deviation from the coordinate-wise
     median is clipped to this many times the median deviation (a bound on any one peer's influence); 0: plain
@@ -132,7 +137,7 @@ class CollaborationArguments:
         )
         integer_at_least(self, 1, "average_state_every", "compression_threshold", "min_peers", "load_state_attempts")
         integer_at_least(self, 1, "max_donors", "serve_max_joiners")
-        non_negative(self, "startup_wait", "final_sync_timeout", "contribution_clip")
+        non_negative(self, "startup_wait", "final_sync_timeout", "contribution_clip", "missed_round_resync_mb")
         positive(self, "metrics_expiration")
         require(
             self.sync_mode in SYNC_MODES,

@@ -38,11 +38,16 @@ def _inputs():
     return [common + 0.3 * torch.randn(SIZE, generator=generator) for _ in range(3)]
 
 
-def _round(kinds):
-    """One round of three averagers of the given classes; returns each peer's result and the exact mean."""
-    inputs = _inputs()
+def _round(kinds, modes=("node", "node", "node")):
+    """One round of three averagers of the given classes and modes (node; client: a home trainer, sends only; aux: an
+    assisting aux peer, no data). Returns each peer's result, the exact mean of the data senders' inputs and each
+    peer's count of rounds whose whole result it took (``whole_results``)."""
+    inputs = [tensor if mode != "aux" else torch.zeros_like(tensor) for tensor, mode in zip(_inputs(), modes)]
     first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [first] + [hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs()) for _ in kinds[1:]]
+    dhts = [first] + [
+        hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs(), client_mode=mode == "client")
+        for mode in modes[1:]
+    ]
     averagers = [
         kind(
             [tensor.clone()],
@@ -53,9 +58,11 @@ def _round(kinds):
             min_matchmaking_time=2.0,
             request_timeout=1.0,
             compression=Uniform8BitQuantization(),
+            client_mode=mode == "client",
+            auxiliary=mode == "aux",
             start=True,
         )
-        for kind, dht, tensor in zip(kinds, dhts, inputs)
+        for kind, mode, dht, tensor in zip(kinds, modes, dhts, inputs)
     ]
     try:
         steps = [averager.step(wait=False, timeout=30) for averager in averagers]
@@ -66,7 +73,8 @@ def _round(kinds):
         for averager in averagers:
             with averager.get_tensors() as tensors:
                 results.append(tensors[0].clone())
-        return results, torch.stack(inputs).mean(0)
+        senders = torch.stack([tensor for tensor, mode in zip(inputs, modes) if mode != "aux"])
+        return results, senders.mean(0), [averager.whole_results.value for averager in averagers]
     finally:
         for item in averagers + dhts:
             item.shutdown()
@@ -79,7 +87,7 @@ def _close_to(result: torch.Tensor, mean: torch.Tensor) -> bool:
 
 @pytest.mark.timeout(120)
 def test_peers_of_a_round_end_with_the_same_bits():
-    results, mean = _round([_SameResult] * 3)
+    results, mean, _ = _round([_SameResult] * 3)
     assert all(torch.equal(results[0], other) for other in results[1:])
     assert all(_close_to(result, mean) for result in results)
 
@@ -87,7 +95,7 @@ def test_peers_of_a_round_end_with_the_same_bits():
 @pytest.mark.timeout(120)
 def test_with_deltas_the_peers_end_apart():
     """The control: hivemind's deltas leave each peer with its own rounding (what same_result removes)."""
-    results, mean = _round([_Deltas] * 3)
+    results, mean, _ = _round([_Deltas] * 3)
     assert not torch.equal(results[0], results[1]) and not torch.equal(results[1], results[2])
     assert all(_close_to(result, mean) for result in results)
 
@@ -96,5 +104,17 @@ def test_with_deltas_the_peers_end_apart():
 def test_a_peer_that_sends_deltas_still_averages_with_the_others():
     """An older peer gets its delta from the new reducers and answers the new senders with deltas, which they turn
     into results: every peer ends at the average."""
-    results, mean = _round([_Deltas, _SameResult, _SameResult])
+    results, mean, _ = _round([_Deltas, _SameResult, _SameResult])
     assert all(_close_to(result, mean) for result in results)
+
+
+@pytest.mark.timeout(120)
+def test_an_assisting_aux_takes_the_result_its_client_trainers_took():
+    """hivemind 1.1.12 runs an auxiliary averager in the all-reduce as a zero-weight sender: it contributes nothing
+    and receives the result like the others (here it is the only reducer of two client-mode senders). It ends with
+    the clients' very bits and counts the round as whole, so an assisting aux can take their optimizer step and
+    serve their state (``LeanHiveOptimizer._step_with_whole_result``)."""
+    results, mean, whole = _round([_SameResult] * 3, modes=("aux", "client", "client"))
+    assert all(torch.equal(results[0], other) for other in results[1:])
+    assert _close_to(results[0], mean)  # its zeros did not count
+    assert whole == [1, 1, 1]

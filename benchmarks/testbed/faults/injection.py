@@ -17,6 +17,9 @@ What a broken or hostile peer puts on the wire (its own local checks never see i
   (after the first averaged tensor came back, while the rest is still in flight); ``=/some/file``: in the
   first gradient all-reduce after that file exists (tests decide when). Several peers may share one file: the
   first to get there renames it (``.fired``), so exactly one of them dies.
+- ``LEANHIVE_FAULT_FAIL_ALLREDUCE=1``: every gradient all-reduce breaks off on this peer's side after its group
+  formed; ``LEANHIVE_FAULT_FAIL_ALLREDUCE_ROUNDS=3,4``: only its 3rd and 4th (counted from 1 in its averager
+  process).
 - ``LEANHIVE_FAULT_SEND_WEIGHT=inf``: the sample weight this peer claims in every gradient all-reduce.
 - ``LEANHIVE_FAULT_SEND_BAD_SHAPE=1``: every gradient part this peer sends to another peer's reducer is a
   1-element tensor instead of the shard's part.
@@ -50,6 +53,7 @@ SEND_WEIGHT_ENV = "LEANHIVE_FAULT_SEND_WEIGHT"
 SEND_BAD_SHAPE_ENV = "LEANHIVE_FAULT_SEND_BAD_SHAPE"
 RECORD_AVERAGING_ENV = "LEANHIVE_FAULT_RECORD_AVERAGING"
 FAIL_ALLREDUCE_ENV = "LEANHIVE_FAULT_FAIL_ALLREDUCE"
+FAIL_ALLREDUCE_ROUNDS_ENV = "LEANHIVE_FAULT_FAIL_ALLREDUCE_ROUNDS"
 PARAMS_DIR_ENV = "LEANHIVE_TEST_PARAMS_DIR"
 
 
@@ -114,11 +118,17 @@ def weight_to_send(weight):
     return float(claimed)
 
 
+_rounds_begun = 0  # gradient all-reduce rounds this averager process began (maybe_fail_allreduce)
+
+
 def maybe_fail_allreduce() -> None:
-    """Called in the averager process before each all-reduce round (``LEANHIVE_FAULT_FAIL_ALLREDUCE``): the round
-    breaks off on this peer's side, every time (its rounds fail; the others finish theirs without it)."""
-    if os.environ.get(FAIL_ALLREDUCE_ENV, "") not in ("", "0"):
-        raise RuntimeError("FAULT INJECTION: this peer's all-reduce fails")
+    """Called in the averager process before each gradient all-reduce round: the round breaks off on this peer's
+    side, every time (``LEANHIVE_FAULT_FAIL_ALLREDUCE``) or in the listed rounds (``..._ROUNDS``); the others finish
+    theirs without it."""
+    global _rounds_begun
+    _rounds_begun += 1
+    if os.environ.get(FAIL_ALLREDUCE_ENV, "") not in ("", "0") or _rounds_begun in _numbers(FAIL_ALLREDUCE_ROUNDS_ENV):
+        raise RuntimeError(f"FAULT INJECTION: this peer's all-reduce round {_rounds_begun} fails")
 
 
 def maybe_send_bad_shapes() -> None:

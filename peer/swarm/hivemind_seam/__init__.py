@@ -49,7 +49,8 @@ Averaging (both averagers of hivemind.Optimizer)
   (override of a private method) answers a marked sender with the part's average, encoded once for the group, and
   the reducer takes that encoding as its own result too; unmarked senders (an older peer) still get deltas, and an
   unmarked answer is turned into a result (own part + delta). The container returns results, not deltas
-  (``return_deltas``), and ``_run_allreduce_inplace_`` copies them in.
+  (``return_deltas``), and ``_run_allreduce_inplace_`` copies them in, counting a round whose whole result it
+  took in ``whole_results`` (shared with the host process).
 - ``schedule_step`` (override, ``GradientAverager`` and ``TrainingStateAverager``): a client-mode peer schedules its
   round at ``client_join_expiration`` (just before its deadline), the expiration it sends leaders; with hivemind's
   ``now + min_matchmaking_time`` a leader that scheduled a moment later (an assisting aux polling for rounds)
@@ -93,11 +94,20 @@ Pseudo-gradient averager (``PseudoGradientAverager(LeanHiveGradientAverager)``, 
 Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
 - ``_make_state_averager`` (private factory): builds ``LeanHiveStateAverager`` with our policy.
 - ``_make_progress_tracker`` (private factory): builds ``LeanHiveProgressTracker``.
-- ``_load_local_gradients_into_optimizer`` (private): hivemind's fallback when an all-reduce failed; in
-  ``--sync_mode local`` it also flags ``missed_round`` so the trainer downloads the swarm's shared state.
+- ``_load_local_gradients_into_optimizer`` (private): hivemind's fallback when an all-reduce failed; for a trainer
+  it also flags ``missed_round`` so that the trainer downloads the swarm's state (peer.strategies).
+  ``_begin_averaging_gradients`` (private) flags it too when hivemind began no round because its tracker listed no
+  other peer, in the epoch right after a download (the tracker may not list the donors yet).
 - ``_average_gradients_and_load_into_optimizer`` (private): hivemind's, timed as the ``grad_wait`` phase, waiting
   ``round_wait.seconds()`` (at least averaging_timeout, longer once rounds proved slower: peer.swarm.round_wait)
   instead of averaging_timeout, and the round's outcome (``timing.round_outcome``) reported to the round observers.
+  An auxiliary peer takes the epoch's optimizer step, as the trainers do, when its gradient averager took the round's
+  whole result (``whole_results``): hivemind 1.1.12 does not pass the peers' modes to the all-reduce runner, so an
+  auxiliary averager runs as a zero-weight sender and receives the result like the others, but hivemind's auxiliary
+  peers never step. ``step_with_next_epoch`` of the state averager's ``step`` turns the ``optimizer_step=False``
+  hivemind passes for them into True (hivemind links the offloaded optimizer's ``.grad`` to the averaged tensors).
+  An aux that anchors a swarm of client trainers then serves their state, statistics included, to a joiner or a
+  trainer that missed a round.
 - ``load_state_from_peers``: hivemind's as one request of the state averager (hivemind retried ``while True``), the
   epoch bound (``download_epoch_bound``) passed to the state averager, a refutation of epoch claims the downloaded
   state does not reach (``LeanHiveProgressTracker.refute_claims_above``), and without the gradient averager's
@@ -312,6 +322,11 @@ OVERRIDDEN_METHODS = [
     ),
     (hivemind.Optimizer, "load_state_dict", "(self, state_dict: 'dict')"),
     (hivemind.Optimizer, "_load_local_gradients_into_optimizer", "(self)"),
+    (
+        hivemind.Optimizer,
+        "_begin_averaging_gradients",
+        "(self, grad_scaler: 'Optional[GradScaler]') -> 'bool'",
+    ),
     (hivemind.Optimizer, "load_state_from_peers", "(self, **kwargs)"),
     (
         hivemind.Optimizer,
