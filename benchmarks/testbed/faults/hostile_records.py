@@ -87,11 +87,17 @@ def hostile_records_swarm(folder: Path) -> Dict[str, Any]:
         rushed = {e: n for e, n in poisoned.items() if n < 0.75 * TARGET}
         details["samples_per_poisoned_epoch"] = poisoned
         checks["no poisoned epoch was rushed"] = len(poisoned) >= 4 and len(rushed) <= 1
-        # (their download when they joined, before the rogue, is not a re-download)
+        # (their download when they joined, before the rogue, is not a re-download; nor is a re-sync after a gradient
+        # round the peer missed, which answers its own failed all-reduce, not a record)
         reloads = [
-            e for p in (first, second) for e in p.events.all("state_loaded", where=lambda e: e["reason"] != "join")
+            e
+            for p in (first, second)
+            for e in p.events.all("state_loaded", where=lambda e: e["reason"] not in ("join", "missed_round"))
         ]
         details["trainer_reloads"] = len(reloads)
+        details["trainer_resyncs_after_missed_rounds"] = sum(
+            len(p.events.all("state_loaded", where=lambda e: e["reason"] == "missed_round")) for p in (first, second)
+        )
         checks["no trainer re-downloaded the state"] = not reloads
 
         details["dashboard_epochs"] = [s["global_epoch"] for s in dashboard]
