@@ -72,11 +72,13 @@ class CollaborationArguments:
     serve_max_joiners: int = 2
     """This peer sends its state to at most this many downloading peers at a time; the others are told it is busy
     and ask another peer (its uplink also carries its averaging rounds)."""
-    missed_round_resync_mb: float = 64.0
+    missed_round_resync_mb: float = 0.0
     """sync mode: after a gradient round this peer missed (hivemind then steps with this peer's own gradients, which
     leaves its parameters and optimizer statistics apart from the swarm's for many epochs), download the swarm's
-    state if it is at most this many MB: one download instead of a lasting gap. 0: never (larger states are not
-    downloaded for one missed step). local mode always re-syncs after a missed round."""
+    state if it is at most this many MB (e.g. 64: the tiny and bench_small presets): one download instead of a
+    lasting gap. 0 (the default): never. Off by default because a download right after a round that lost a peer
+    may first ask that peer: with a trainer partitioned for 30 s (fault scenario c) a survivor's re-sync took 19.5 s
+    and the swarm hardly trained meanwhile. local mode always re-syncs after a missed round."""
     contribution_clip: float = 4.0
     """Robust averaging: NaN/inf contributions are dropped and each peer's deviation from the coordinate-wise
     median is clipped to this many times the median deviation (a bound on any one peer's influence); 0: plain
