@@ -105,7 +105,6 @@ class SyncTraining:
     ):
         self.optimizer, self.batch_size_per_step = optimizer, batch_size_per_step
         self.resync_max_mb, self.watchdog = resync_max_mb, watchdog
-        self._behind = False  # a missed round not yet repaired
         self._last_resync: Optional[int] = None  # the epoch of the last re-sync download
         self._epoch_ended: Optional[float] = None  # monotonic time the last epoch ended
         self._epoch_seconds: Optional[float] = None  # mean seconds per epoch (exponential, recent epochs weigh more)
@@ -141,13 +140,15 @@ class SyncTraining:
                     self.resync_max_mb,
                 )
                 return
-            self._behind = True
-        if not self._behind or (self._last_resync is not None and epoch - self._last_resync < RESYNC_EVERY_EPOCHS):
+        # a round missed within RESYNC_EVERY_EPOCHS of the last re-sync keeps the flag until the next one
+        if not self.optimizer.missed_round:
+            return
+        if self._last_resync is not None and epoch - self._last_resync < RESYNC_EVERY_EPOCHS:
             return
         download = self.optimizer.last_download_seconds
         if download is not None and self._epoch_seconds is not None:
             if download > RESYNC_EPOCH_SHARE * self._epoch_seconds:
-                self._behind = self.optimizer.missed_round = False
+                self.optimizer.missed_round = False
                 logger.info(
                     "Missed the all-reduce before round %d: stepped with this peer's own gradients (a state download "
                     "took %.1f s, more than %.0f%% of an epoch of %.1f s: it would miss the next round as well)",
@@ -157,7 +158,7 @@ class SyncTraining:
                     self._epoch_seconds,
                 )
                 return
-        self._behind, self._last_resync = False, epoch
+        self._last_resync = epoch
         resync_after_missed_round(self.optimizer, self.watchdog)
 
     def _time_epoch(self) -> None:
