@@ -435,6 +435,7 @@ class TrainerPeer:
             skipped=stats.skipped_steps,
             now_at=new_epoch,
             peers=self.optimizer.tracker.global_progress.num_peers,
+            repaired_rounds=self.optimizer.repaired_rounds,
         )
         self._publish(stats)
         self.strategy.end_epoch()

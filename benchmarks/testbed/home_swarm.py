@@ -21,7 +21,8 @@ plus per-epoch parameter dumps), the parameters after each global epoch, compare
 epoch they all dumped.
 
 Per peer it reports: the global epoch it joined at, the rounds it took part in (averaging rounds ok, from its health
-lines) against the swarm's rounds after it joined, global epochs it went through, catch-up state downloads, local
+lines) against the swarm's rounds after it joined, missed rounds whose result it took from peers that took them
+(``repaired_rounds`` of its last ``epoch_done`` event), global epochs it went through, catch-up state downloads, local
 steps and samples/s, bytes it sent and received in averaging, and the lines that matter ("no reachable peer in this
 swarm", "could not find a group", state downloads that failed). The aux host's interface counters give the bytes
 through the aux peer. Results go to ``--out`` (benchmarks/measured/home_net.json by default: the scenario's entry is
@@ -392,6 +393,8 @@ class HomeSwarm:
             "epochs_with_others": sum(1 for e in done if int(e.get("peers") or 0) >= 2),
             "rounds_ok": int(sum(h[0] for h in health)),
             "rounds_failed": int(sum(h[1] for h in health)),
+            # missed rounds whose result it took from peers that took them (not counted as taken part in)
+            "rounds_repaired": int(done[-1].get("repaired_rounds") or 0) if done else 0,
             "mb_sent": round(sum(h[2] for h in health), 1),
             "mb_received": round(sum(h[3] for h in health), 1),
             # catch-ups after joining (hivemind's, inside its step, emit no event; they are logged)
@@ -705,8 +708,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name, ok in result["checks"].items():
             print(f"  {'PASS' if ok else 'FAIL'}  {name}")
             failed += not ok
-        print(json.dumps({n: {k: p[k] for k in ("rounds_ok", "swarm_rounds_after_join", "took_part", "epochs_done",
-              "samples_per_second", "state_downloads", "message_after_s")} for n, p in result["peers"].items()},
+        print(json.dumps({n: {k: p[k] for k in ("rounds_ok", "rounds_repaired", "swarm_rounds_after_join", "took_part",
+              "epochs_done", "samples_per_second", "state_downloads", "message_after_s")}
+              for n, p in result["peers"].items()},
               indent=1))  # fmt: skip
         print(f"  aux bytes in/out: {result['aux']['bytes_in']} / {result['aux']['bytes_out']}; logs in {folder}")
     return 1 if failed else 0

@@ -10,7 +10,8 @@ flushed as it happens. The events and their fields:
   "resync", "missed_round", "disagreement", "refresh", "resume"), ``path`` (the backup file or checkpoint folder,
   else null)
 - ``epoch_done`` (trainer): ``epoch``, ``loss`` (mean, or null), ``mini_steps``, ``samples``, ``steps``, ``skipped``,
-  ``now_at``, ``peers`` (the peers the progress tracker counted at the epoch's end, this one included)
+  ``now_at``, ``peers`` (the peers the progress tracker counted at the epoch's end, this one included),
+  ``repaired_rounds`` (so far: rounds this trainer missed and took the result of from peers that took them)
 - ``backup_written`` (trainer) / ``checkpoint_saved`` (aux peer): ``epoch``, ``path``
 - ``backup_failed`` (trainer, e.g. a full disk; retried at the next epoch): ``epoch``, ``path``, ``error``
 - ``offering_checkpoint`` (aux peer, no trainer online): ``epoch``

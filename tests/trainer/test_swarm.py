@@ -187,6 +187,36 @@ def test_a_sync_peer_that_missed_a_round_takes_the_swarm_state(tmp_path, swarm):
     assert min(after) <= LOSSY_TOLERANCE, (resyncs, differences)
 
 
+@pytest.mark.timeout(420)
+def test_a_trainer_that_missed_a_round_takes_its_result_from_the_peers_that_took_it(tmp_path, swarm):
+    """A client-mode trainer's 4th gradient round breaks off on its side after its group formed; the two full
+    peers go on without it and take the round's result. It fetches that result from them (both answers agree bit
+    for bit) and takes the same optimizer step: with 8-bit averaging the three then hold the same parameters, with no
+    state download (hivemind's fallback step left such a trainer 0.04 apart to the end of a run)."""
+    common = ["--max_epochs", "10", "--min_peers", "3", "--target_batch_size", "256", "--averaging_timeout", "10"]
+    first = start_trainer(tmp_path, "a", "repair", extra=common, env=param_dump_env(tmp_path, "a"))
+    swarm.append(first)
+    initial_peers = first.initial_peers(STARTUP)
+    second = start_trainer(
+        tmp_path, "b", "repair", initial_peers=initial_peers, extra=common, env=param_dump_env(tmp_path, "b")
+    )
+    swarm.append(second)
+    faulty = {**param_dump_env(tmp_path, "c"), FAIL_ALLREDUCE_ROUNDS_ENV: "4"}
+    client = start_trainer(
+        tmp_path, "c", "repair", initial_peers=initial_peers, extra=[*common, "--client_mode"], env=faulty
+    )
+    swarm.append(client)
+    assert wait_all([first, second, client], timeout=360) == [0, 0, 0]
+    assert "FAULT INJECTION: this peer's all-reduce round 4 fails" in client.log()
+    repaired = [int(e["epoch"]) for e in client.events.all("epoch_done") if e.get("repaired_rounds")]
+    assert repaired, "the client did not take the result of the round it missed"
+    assert not client.events.all("state_loaded", where=lambda e: e["reason"] == "missed_round")
+    differences = round_param_differences(tmp_path, ["a", "b", "c"])
+    after = {e: d for e, d in differences.items() if e > repaired[0]}
+    assert after, (repaired, differences)
+    assert max(after.values()) <= LOSSY_TOLERANCE, (repaired, differences)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["sync", pytest.param("local", marks=pytest.mark.local_mode)])
 def test_nan_gradients_and_parameters_are_survived(tmp_path, swarm, mode):

@@ -19,7 +19,7 @@ What a broken or hostile peer puts on the wire (its own local checks never see i
   first to get there renames it (``.fired``), so exactly one of them dies.
 - ``LEANHIVE_FAULT_FAIL_ALLREDUCE=1``: every gradient all-reduce breaks off on this peer's side after its group
   formed; ``LEANHIVE_FAULT_FAIL_ALLREDUCE_ROUNDS=3,4``: only its 3rd and 4th (counted from 1 in its averager
-  process).
+  process). Such a peer does not retry a round that broke off (hivemind would join the others' next round).
 - ``LEANHIVE_FAULT_SEND_WEIGHT=inf``: the sample weight this peer claims in every gradient all-reduce.
 - ``LEANHIVE_FAULT_SEND_BAD_SHAPE=1``: every gradient part this peer sends to another peer's reducer is a
   1-element tensor instead of the shard's part.
@@ -119,6 +119,12 @@ def weight_to_send(weight):
 
 
 _rounds_begun = 0  # gradient all-reduce rounds this averager process began (maybe_fail_allreduce)
+
+
+def fails_allreduce_rounds() -> bool:
+    """Whether this peer breaks some of its gradient rounds off (``LEANHIVE_FAULT_FAIL_ALLREDUCE[_ROUNDS]``); it then
+    does not retry a round that broke off (``benchmarks.testbed.fault_trainer``)."""
+    return os.environ.get(FAIL_ALLREDUCE_ENV, "") not in ("", "0") or bool(_numbers(FAIL_ALLREDUCE_ROUNDS_ENV))
 
 
 def maybe_fail_allreduce() -> None:

@@ -83,6 +83,17 @@ State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
   download was applied (hivemind returns quietly when nobody answers), label the served state with the epoch its
   parameters are really at, snapshot it under ``lock_optimizer`` and refuse to serve NaN/inf.
 
+Round results (``round_result``: ``RoundResultSharing``, mixed into ``LeanHiveGradientAverager``)
+- ``load_accumulators_into_averager_`` (override, ``GradientAverager``): marks the averaged tensors as no longer
+  holding a round's result and keeps the norm of this peer's own gradients.
+- ``rpc_round_result`` (a new RPC, hivemind's ``DownloadData`` message both ways): a peer that took a ``same_result``
+  round's whole result (``_run_allreduce_inplace_`` tells it) serves it until its next round loads its gradients.
+  The optimizer's ``_average_gradients_and_load_into_optimizer`` (below) fetches it after a failed round
+  (``fetch_round_result``, through the private ``_outer_pipe``; the fetch runs in the averager process) from peers
+  that declared their state (hivemind's ``<prefix>.all_averagers`` key, ``declared_priorities``), checked (shapes,
+  dtypes, finiteness, size; answers agree bit for bit; a norm bound), and steps with it. Uses ``allreduce_kwargs``
+  (the wire compression) and ``tensor_infos``.
+
 Pseudo-gradient averager (``PseudoGradientAverager(LeanHiveGradientAverager)``, ``--sync_mode local``)
 - ``load_accumulators_into_averager_``: writes ``shared parameters - local parameters`` (the pseudo-gradient of the
   round) into the averaged tensors instead of the accumulated gradients; built with ``reuse_grad_buffers=True`` so
@@ -97,10 +108,13 @@ Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
 - ``_load_local_gradients_into_optimizer`` (private): hivemind's fallback when an all-reduce failed; for a trainer
   it also flags ``missed_round`` so that the trainer downloads the swarm's state (peer.strategies).
   ``_begin_averaging_gradients`` (private) flags it too when hivemind began no round because its tracker listed no
-  other peer, in the epoch right after a download (the tracker may not list the donors yet).
+  other peer, in the epoch right after a download (the tracker may not list the donors yet); it also tells the
+  gradient averager the epoch of the round it begins (``round_epoch``, round_result.py).
 - ``_average_gradients_and_load_into_optimizer`` (private): hivemind's, timed as the ``grad_wait`` phase, waiting
   ``round_wait.seconds()`` (at least averaging_timeout, longer once rounds proved slower: peer.swarm.round_wait)
   instead of averaging_timeout, and the round's outcome (``timing.round_outcome``) reported to the round observers.
+  A trainer whose round failed, or kept some of its own values, takes the round's result from peers that took it
+  (``_repair_from_round_result``, round_result.py) before it falls back to hivemind's step with its own gradients.
   An auxiliary peer takes the epoch's optimizer step, as the trainers do, when its gradient averager took the round's
   whole result (``whole_results``): hivemind 1.1.12 does not pass the peers' modes to the all-reduce runner, so an
   auxiliary averager runs as a zero-weight sender and receives the result like the others, but hivemind's auxiliary
@@ -418,6 +432,12 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.averaging.allreduce", "AllReduceRunner", "group_id"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "weight"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "peer_id"),
+    # round_result.py: a missed round's result, served in the wire compression the averager was built with
+    ("hivemind.averaging.averager", "DecentralizedAverager", "allreduce_kwargs"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "tensor_infos"),
+    ("hivemind.optim.grad_averager", "GradientAverager", "local_times_accumulated"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "_averaged_tensors"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "lock_averaged_tensors"),
 ]
 
 # --outer_compression sparse (``sparse_wire``; its docstring says what and why). Its own block, appended: its

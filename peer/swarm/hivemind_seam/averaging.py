@@ -30,6 +30,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
+from peer.swarm.hivemind_seam.round_result import NORM_FACTOR, RoundResultSharing, fetch_seconds
 from peer.swarm.hivemind_seam.state_transfer import NoPartDonors, PartedStateTransfer, close_stream
 from peer.swarm.hivemind_seam.timing import report_round, round_outcome, timed_allreduce, timed_phase
 from peer.swarm.keys import outer_averager_prefix, state_averager_prefix
@@ -107,6 +108,10 @@ unused in all-reduce streams): the sender asks for, and the reducer answers with
 once for the whole group (``BoundedAllReduceRunner``). Peers without it exchange hivemind's deltas."""
 
 
+CLIENT_START_TIMEOUTS = 2
+"""sender_timeouts a client-mode sender gets to start (``BoundedAllReduceRunner._handle_missing_senders``)."""
+
+
 class BoundedAllReduceRunner(AllReduceRunner):
     """hivemind's runner with ``bounded_mean`` for the average, a client path that reads answers while it sends, a
     longer start for client senders and, with ``same_result``, one result for the whole group.
@@ -126,6 +131,13 @@ class BoundedAllReduceRunner(AllReduceRunner):
 
     def __init__(self, *, clip_factor: float, same_result: bool = False, **kwargs):
         super().__init__(**kwargs)
+        if self.sender_timeout is not None:
+            # a reducer answers a part once every sender's part arrived or its sender was banned, which for a client
+            # takes up to CLIENT_START_TIMEOUTS sender_timeouts (_handle_missing_senders); hivemind's reducer_timeout
+            # (2 x sender_timeout) equalled that, so when a client of the group died the full peers gave up on each
+            # other as reducers at the very moment the client was banned, and all of them lost the round
+            floor = (CLIENT_START_TIMEOUTS + 1) * self.sender_timeout
+            self.reducer_timeout = max(self.reducer_timeout or 0.0, floor)
         unused = self.tensor_part_reducer
         unused.finished.set()  # it never ran: no "received 0% of input tensors" warning when it is collected
         self.tensor_part_reducer = BoundedPartReducer(unused.part_shapes, unused.num_senders, clip_factor=clip_factor)
@@ -144,7 +156,7 @@ class BoundedAllReduceRunner(AllReduceRunner):
         after it, 1.06 s after its own start, and the volunteer took that reducer's parts as its own."""
         if self.sender_timeout is None:
             return await super()._handle_missing_senders()
-        for round_index in range(2):
+        for round_index in range(CLIENT_START_TIMEOUTS):
             try:
                 await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
                 return
@@ -367,7 +379,7 @@ class _PolicyAveraging:
         """Rounds (``same_result`` ones: gradients in sync mode) whose result this averager copied into every one of
         its averaged tensors, with no part kept local (a failed reducer, NaN/inf values, the two-peer bound); shared
         with the averager process. An auxiliary peer takes the optimizer step of such a round
-        (``LeanHiveOptimizer._step_with_whole_result``)."""
+        (``LeanHiveOptimizer._took_whole_result``)."""
         super().__init__(*args, **kwargs)
 
     def __del__(self):
@@ -415,7 +427,12 @@ class _PolicyAveraging:
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
+        try:
+            await self._run_bounded(runner, tensors, group_info)
+        finally:
+            self._allreduce_ended()
 
+    async def _run_bounded(self, runner: "BoundedAllReduceRunner", tensors: Sequence[torch.Tensor], group_info):
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
             received = refused = bounded = 0
             # two contributors: the median cannot tell the faulty one, so bound what the other can do to us
@@ -444,6 +461,9 @@ class _PolicyAveraging:
             if whole and runner.same_result:  # the group's very bits (not own + delta, as in local mode)
                 with self.whole_results.get_lock():
                     self.whole_results.value += 1
+                modes = declared_modes(self.serializer, group_info)
+                others = [p for p, m in zip(group_info.peer_ids, modes) if p != self.peer_id and m != AveragingMode.AUX]
+                self._took_whole_result(group_info.peer_ids, alone=not others)
             if refused:
                 logger.warning("Averaging: received %d NaN/inf averaged values; kept the local values there", refused)
             if bounded:
@@ -456,12 +476,46 @@ class _PolicyAveraging:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
 
+    def _took_whole_result(self, group: Sequence[PeerID], alone: bool) -> None:
+        """(averager process) A ``same_result`` round's whole result was just copied in (round_result.py); ``alone``:
+        no other member of the ``group`` sent data (this peer's own gradients, or an aux's zeros)."""
+
+    def _allreduce_ended(self) -> None:
+        """(averager process) An all-reduce of this averager ended, with or without a result."""
+
     _bound_two_peer_rounds = False
     """Bound each tensor's update in a two-contributor round (``bound_two_peer_update``): gradients only (a
     parameter or statistic tensor may legitimately be all zeros, which would freeze it)."""
     _same_result = False
     """Every peer takes the group's encoded average itself (``BoundedAllReduceRunner``): for gradients. The state
     averager keeps hivemind's deltas: an encoded absolute parameter would lose the precision a delta keeps."""
+
+
+def declared_modes(serializer, group_info) -> Tuple[AveragingMode, ...]:
+    """Each group member's mode as it declared it in matchmaking (``[bandwidth, mode, user data]``, what
+    hivemind's ``DecentralizedAverager.step`` gathers). hivemind's ``_aggregate_with_group`` reads the same but hands
+    the runner only the peers' fractions, from which an aux peer looks like a node: it would never relay, and two
+    client peers of a group would miss each other's payloads. A member may lie about its mode: claiming aux makes it
+    the relay of the group's clients, which lets it do no more than a sender can (drop or spoil payloads, which the
+    receivers check, and a disagreement the round vote repairs)."""
+    return tuple(AveragingMode(serializer.loads(data)[1]) for data in group_info.gathered)
+
+
+def declared_priorities(dht, key: str) -> Dict[PeerID, float]:
+    """The peers that declared themselves under hivemind's ``<prefix>.all_averagers`` key (averagers that share their
+    state), with the priority each claims; entries that are not a peer ID with a number are left out."""
+    declared, _ = dht.get(key, latest=True) or ({}, None)
+    priorities = {}
+    for raw_id, info in (declared or {}).items():
+        if not isinstance(info, ValueWithExpiration) or not isinstance(info.value, (int, float)):
+            continue
+        if isinstance(info.value, bool) or math.isnan(info.value):
+            continue
+        try:
+            priorities[PeerID(raw_id)] = float(info.value)
+        except Exception:
+            continue
+    return priorities
 
 
 def _finite_floats(tensors) -> bool:
@@ -628,7 +682,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         # download to catch up with the swarm. None: the parameters are at local_epoch.
         self._params_epoch: Optional[int] = None
         self._local_layout: Optional[Tuple[list, dict]] = None  # see _layout
-        self.step_with_next_epoch = False  # host process: see LeanHiveOptimizer._step_with_whole_result
+        self.step_with_next_epoch = False  # host process: see LeanHiveOptimizer._took_whole_result
         self.auxiliary_steps = 0  # host process: optimizer steps an auxiliary peer took that way
         # set in the averager process before each download (``_set_download_bound``): the epochs a downloaded state
         # may carry (None: no bound), the progress key that re-reads the consensus, the peers it may come from
@@ -733,25 +787,14 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
     def _state_candidates(self) -> List[PeerID]:
         """Peers that declared their state, best first: the priority they claim is capped at the epoch bound + 1
         (above it every claim is equal: a peer cannot buy the first place with a huge or infinite priority)."""
-        declared, _ = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True) or (
-            {},
-            None,
-        )
+        declared = declared_priorities(self.dht, f"{self._matchmaking.group_key_manager.prefix}.all_averagers")
         cap = math.inf if self._max_download_epoch is None else self._max_download_epoch + 1
         ranked = {}
-        for raw_id, info in (declared or {}).items():
-            if not isinstance(info, ValueWithExpiration) or not isinstance(info.value, (int, float)):
-                continue
-            if isinstance(info.value, bool) or math.isnan(info.value):
-                continue
-            try:
-                peer_id = PeerID(raw_id)
-            except Exception:
-                continue
+        for peer_id, priority in declared.items():
             if self._only_from is not None and peer_id.to_bytes() not in self._only_from:
                 continue
             if peer_id != self.peer_id:
-                ranked[peer_id] = (min(float(info.value), cap), random.random())  # random: the tie breaker
+                ranked[peer_id] = (min(priority, cap), random.random())  # random: the tie breaker
         return sorted(ranked, key=ranked.get, reverse=True)
 
     async def _download_checked_state(self):
@@ -895,7 +938,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
             if scheduled_time is not None and "scheduled_time" not in opts:
                 kwargs["averaging_opts"] = dict(opts, scheduled_time=scheduled_time)
         if increment_epoch and self.step_with_next_epoch:
-            # an auxiliary peer that holds the round's result (LeanHiveOptimizer._step_with_whole_result)
+            # an auxiliary peer that holds the round's result (LeanHiveOptimizer._took_whole_result)
             optimizer_step, self.step_with_next_epoch = True, False
             self.auxiliary_steps += 1
         if increment_epoch and optimizer_step and self._params_epoch is None:
@@ -956,10 +999,11 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         return self.applied_epoch is not None
 
 
-class LeanHiveGradientAverager(_PolicyAveraging, GradientAverager):
+class LeanHiveGradientAverager(RoundResultSharing, _PolicyAveraging, GradientAverager):
     """GradientAverager that applies ``policy`` (allowlist for its RPCs, bounded contributions, bounded two-peer
     rounds); every peer of a round takes the same averaged gradients (``BoundedAllReduceRunner``'s ``same_result``),
-    so peers that hold the same state take the same step."""
+    so peers that hold the same state take the same step, and a trainer that missed a round takes its result from
+    peers that took it (``RoundResultSharing``, round_result.py)."""
 
     _bound_two_peer_rounds = True
     _same_result = True
@@ -1018,7 +1062,9 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         swarm's. The trainer re-syncs (peer.strategies.resync_after_missed_round): in local mode a whole round's
         divergence; in sync mode one step's, whose gap LAMB's statistics keep for many epochs (0.02-0.1 on the home
         testbed with the tiny preset, against a tolerance of 0.01)."""
-        self._whole_results_seen = 0  # an auxiliary peer's count of rounds it took the optimizer step of
+        self._whole_results_seen = 0  # the gradient averager's whole_results when this peer last looked
+        self.repaired_rounds = 0
+        """Rounds this trainer missed and took the result of from peers that took them (round_result.py)."""
         self._downloaded_at: Optional[int] = None  # the epoch of the last state downloaded from the swarm
         self.last_download_seconds: Optional[float] = None
         """Wall-clock seconds the last applied state download took, its wait for the donor's snapshot included."""
@@ -1043,6 +1089,9 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         super()._load_local_gradients_into_optimizer()
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        round_epoch = getattr(self.grad_averager, "round_epoch", None)
+        if round_epoch is not None:  # the round this epoch's result belongs to (round_result.py)
+            round_epoch.value = self.local_epoch
         began = super()._begin_averaging_gradients(grad_scaler)
         if not began and not self.auxiliary and self._just_downloaded():
             # hivemind saw no other peer and steps with this peer's gradients alone; right after a download the
@@ -1083,28 +1132,80 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                 self.round_wait.watch(maybe_step_control)
                 group_info = maybe_step_control.result(self.round_wait.seconds())
                 logger.log(self.status_loglevel, f"Averaged gradients with {len(group_info)} peers")
+                took_whole = self._took_whole_result()
+                alone = took_whole and bool(
+                    getattr(self.grad_averager, "alone", None) and self.grad_averager.alone.value
+                )
+                if (alone or not took_whole) and not self.auxiliary:
+                    # some parts kept this peer's own values (a reducer failed), or its group had no other data (it
+                    # came late, and an assisting aux led a second group): the others' round is the swarm's
+                    self._repair_from_round_result(outside_group=alone)
                 self._load_averaged_gradients_into_optimizer_()
                 averaged_gradients = True
-                if self.auxiliary:
-                    self._step_with_whole_result()
+                if self.auxiliary and took_whole:
+                    self.state_averager.step_with_next_epoch = True  # see _took_whole_result
             else:
                 logger.log(self.status_loglevel, "Skipped averaging: there are no other peers")
         except BaseException as e:
             logger.log(self.status_loglevel, f"Averaging gradients failed with {repr(e)}")
         if not averaged_gradients:
-            self._load_local_gradients_into_optimizer()
+            if maybe_step_control is not None and self._repair_from_round_result():
+                self._load_averaged_gradients_into_optimizer_()
+            else:
+                self._load_local_gradients_into_optimizer()
 
-    def _step_with_whole_result(self) -> None:
-        """An auxiliary peer whose gradient averager took the whole result of this round (``whole_results``) holds
-        it in the optimizer's gradients: hivemind 1.1.12 runs an auxiliary averager in the all-reduce as a
-        zero-weight sender, which receives the result like every other sender (with ``same_result``, the very bits
-        the trainers take). The optimizer step that ends this epoch is then taken, as every trainer of the round
-        takes it; hivemind's auxiliary peers never step, so the state they serve kept its statistics from the last
-        download (or from the start, for an aux that anchors a swarm of client trainers)."""
+    def _repair_from_round_result(self, outside_group: bool = False) -> bool:
+        """A trainer whose round failed (or kept some of its own values) while other peers took the round's whole
+        result takes that result from them (round_result.py); True if it did: the averaged tensors then hold it."""
+        averager = self.grad_averager
+        if self.auxiliary or not getattr(averager, "shares_round_results", False) or not averager.local_norm:
+            return False
+        epoch = averager.round_epoch.value
+        candidates = self._round_result_candidates(epoch)
+        if not candidates:
+            return False
+        result_bytes = sum(t.numel() * t.element_size() for t in averager.parameters)
+        began = time.monotonic()
+        used = averager.fetch_round_result(
+            epoch=epoch,
+            candidates=candidates,
+            max_norm=NORM_FACTOR * averager.local_norm,
+            timeout=fetch_seconds(self.averaging_timeout, result_bytes),
+            outside_group=outside_group,
+        )
+        if not used:
+            return False
+        self.repaired_rounds += 1
+        logger.info(
+            "Missed round %d: took its averaged gradients from %d peer(s) that took it, in %.1f s: %s",
+            epoch,
+            len(used),
+            time.monotonic() - began,
+            ", ".join(map(str, used)),
+        )
+        return True
+
+    def _round_result_candidates(self, epoch: int) -> List[PeerID]:
+        """Reachable peers (they declared their state for download) at ``epoch - 1`` or later: the ones that may
+        have taken round ``epoch`` (a declaration can lag the peer's epoch by one; a peer without the round answers
+        at once)."""
+        declared = declared_priorities(self.dht, f"{self.state_averager.prefix}.all_averagers")
+        own = self.dht.peer_id
+        return [peer for peer, priority in declared.items() if priority >= epoch - 1 and peer != own]
+
+    def _took_whole_result(self) -> bool:
+        """Whether this round's whole result is in the averaged tensors (``whole_results`` moved).
+
+        An auxiliary peer that took it then takes the optimizer step that ends this epoch, as every trainer of the
+        round does: hivemind 1.1.12 runs an auxiliary averager in the all-reduce as a zero-weight sender, which
+        receives the result like every other sender (with ``same_result``, the very bits the trainers take), but
+        hivemind's auxiliary peers never step, so the state they serve kept its statistics from the last download
+        (or from the start, for an aux that anchors a swarm of client trainers)."""
         whole = getattr(self.grad_averager, "whole_results", None)
-        if whole is not None and whole.value != self._whole_results_seen:
-            self._whole_results_seen = whole.value
-            self.state_averager.step_with_next_epoch = True
+        if whole is None or whole.value == self._whole_results_seen:
+            return False
+        self._whole_results_seen = whole.value
+        return True
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         tracker = LeanHiveProgressTracker(

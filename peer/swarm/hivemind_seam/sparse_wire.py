@@ -49,7 +49,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 
-from peer.swarm.hivemind_seam.averaging import PseudoGradientAverager
+from peer.swarm.hivemind_seam.averaging import PseudoGradientAverager, declared_modes
 from peer.swarm.hivemind_seam.timing import timed_allreduce
 from peer.swarm.robust import bounded_mean, keep_local_where_not_finite
 from peer.swarm.sparse import ErrorFeedback, SparseCodec, flatten
@@ -361,16 +361,6 @@ class SparsePseudoGradientAverager(PseudoGradientAverager):
             self.codec, gathered, self.peer_id, own, sizes, self.policy.contribution_clip
         )
         return averaged
-
-
-def declared_modes(serializer, group_info) -> Tuple[AveragingMode, ...]:
-    """Each group member's mode as it declared it in matchmaking (``[bandwidth, mode, user data]``, what
-    hivemind's ``DecentralizedAverager.step`` gathers). hivemind's ``_aggregate_with_group`` reads the same but hands
-    the runner only the peers' fractions, from which an aux peer looks like a node: it would never relay, and two
-    client peers of a group would miss each other's payloads. A member may lie about its mode: claiming aux makes it
-    the relay of the group's clients, which lets it do no more than a sender can (drop or spoil payloads, which the
-    receivers check, and a disagreement the round vote repairs)."""
-    return tuple(AveragingMode(serializer.loads(data)[1]) for data in group_info.gathered)
 
 
 def aggregate_contributions(

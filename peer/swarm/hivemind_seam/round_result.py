@@ -1,0 +1,466 @@
+"""A trainer that missed a gradient round takes that round's result from peers that took it (sync mode).
+
+With ``same_result`` every peer of a gradient round ends with the very same averaged gradients, and hivemind keeps
+them in the gradient averager's averaged tensors until that peer's next round loads its own gradients
+(``load_accumulators_into_averager_``). A trainer whose round failed while others' succeeded (it joined no group in
+time, or its group went on without it) used to step with hivemind's fallback: its accumulators, which hivemind has
+already reset by then, so a zero gradient. Its parameters and LAMB statistics then left the swarm's for many epochs
+(0.01 to 0.1 on the home testbed, against a tolerance of 0.01). Instead it now asks the peers that took the round
+for that round's result and takes the same optimizer step as they did, in the same epoch: no state download, no
+extra epoch, and about a sixth of the state's bytes: the result's own 8-bit codes (``exact_blockwise``; hivemind's
+codecs do not give back the same bits when a decoded result is quantized again) or float16 where the wire format
+was float16, float32 only where neither decodes to the exact bits.
+
+A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averager process hivemind forks):
+
+- ``round_epoch`` (set by the host when it begins a round) and ``result_epoch`` (set in the averager process when
+  a ``same_result`` round's whole result was copied in, ``_took_whole_result``; cleared by the host whenever the
+  averaged tensors are overwritten, ``load_accumulators_into_averager_``): the averaged tensors hold the result of
+  round ``result_epoch``.
+- ``rpc_round_result`` (a new RPC, hivemind's ``DownloadData`` message both ways, ``metadata`` a small msgpack
+  request/answer): ``{"epoch": E}``. The answer is ``ok`` and then every tensor (in the wire compression where
+  decoding it gives back the exact bits, else uncompressed), ``later`` while this peer's own round of E still runs,
+  ``busy`` above ``SERVE_MAX`` answers at once, ``refused`` to an asker that already took E, or ``none``.
+- ``fetch_round_result`` (host) / ``_fetch_round_result`` (averager process): asks up to ``ASK`` of the given
+  peers at once until ``timeout``. Each answer is untrusted: its tensors must have this peer's shapes and dtypes, be
+  finite and come in at most the uncompressed size. Two or more answers must agree bit for bit (the largest group
+  of equal answers wins if it has two or more and no other group is as large; a lone answer only if it is the only
+  one), and the result must stay within ``max_norm`` (a multiple of this peer's own gradient norm), so a hostile
+  peer cannot steer a trainer further than a reducer of its round could. Only then are the averaged tensors
+  overwritten; the host steps with them as with its own round's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import random
+import time
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from hivemind.compression import (
+    BlockwiseQuantization,
+    CompressionInfo,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from peer.swarm.hivemind_seam.state_transfer import close_stream
+
+logger = logging.getLogger("peer.swarm.hivemind_seam.averaging")
+
+ASK = 3
+"""Peers asked at once: two answers that agree end the fetch, a third outvotes one hostile answer."""
+SERVE_MAX = 2
+"""Answers a peer streams at once (a home uplink is small)."""
+LATER_POLL = 0.25
+"""Seconds between asks to a peer whose own round of that epoch is still running."""
+LOCK_WAIT = 2.0
+"""Seconds a server waits for its averaged tensors' lock before it answers ``none`` (its next round holds it)."""
+CHUNK = 1 << 20
+"""Bytes per streamed message."""
+MIN_RATE = 2_500_000.0
+"""Bytes/s the fetch's time allows for the uncompressed result (a 20 Mbit/s downlink): ``fetch_seconds``."""
+NORM_FACTOR = 4.0
+"""A lone answer's norm may be at most this times this peer's own averaged gradient's (peer.swarm.robust's clip
+factor: the bound a reducer's average is held to)."""
+
+
+def fetch_seconds(averaging_timeout: float, result_bytes: int) -> float:
+    """How long a trainer spends fetching a round's result: the peers that took the round may still be finishing it
+    (``averaging_timeout``), then the transfer at ``MIN_RATE``."""
+    return averaging_timeout + result_bytes / MIN_RATE
+
+
+class FetchFailed(Exception):
+    """A peer's answer was refused or could not be used."""
+
+
+class RoundResultSharing:
+    """See the module docstring. Mixed into ``LeanHiveGradientAverager`` before hivemind's classes."""
+
+    def __init__(self, *args, **kwargs):
+        # before hivemind's __init__ forks the averager process (which serves and fetches)
+        self.round_epoch = mp.Value("q", -1)
+        self.ended_epoch = mp.Value("q", -1)  # the round_epoch of the last all-reduce that ended, well or not
+        self.result_epoch = mp.Value("q", -1)
+        self.alone = mp.Value("b", 0)  # the last whole result was this peer's own: no other member sent data
+        self._last_group: frozenset = frozenset()  # (averager process) the members of the last whole-result round
+        self.local_norm: Optional[float] = None
+        """Norm of this peer's own averaged gradients as last loaded for a round (host process)."""
+        self._served: Dict[PeerID, int] = {}  # the last epoch each asker took (averager process)
+        self._serving = 0
+        super().__init__(*args, **kwargs)
+
+    @property
+    def shares_round_results(self) -> bool:
+        return bool(getattr(self, "_same_result", False))
+
+    # --------------------------------------------------------------------------------------- bookkeeping
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        # before the lock hivemind's method takes (not reentrant): an asker's copy is taken under it, and one taken
+        # after this line sees the result gone
+        self.result_epoch.value = -1
+        super().load_accumulators_into_averager_()
+        if getattr(self, "local_times_accumulated", 0):
+            with self.get_tensors() as averaged:
+                self.local_norm = float(torch.linalg.vector_norm(torch.stack([t.float().norm() for t in averaged])))
+
+    def _took_whole_result(self, group, alone: bool) -> None:
+        """(averager process) A ``same_result`` round's whole result was just copied in. It is served even when
+        nobody else of the group sent data (a public trainer whose clients all missed the round took the swarm's
+        only round)."""
+        self._last_group, self.alone.value = frozenset(group), alone
+        self.result_epoch.value = self.round_epoch.value
+
+    def _allreduce_ended(self) -> None:
+        """(averager process) This peer's all-reduce of ``round_epoch`` ended, with or without a result."""
+        self.ended_epoch.value = self.round_epoch.value
+
+    # ------------------------------------------------------------------------------------------- serving
+
+    def _answer(self, **fields) -> averaging_pb2.DownloadData:
+        return averaging_pb2.DownloadData(metadata=self.serializer.dumps(fields))
+
+    def _status_for(self, asker: PeerID, epoch: int) -> str:
+        if not self.shares_round_results:
+            return "none"
+        if epoch != self.result_epoch.value:
+            running = epoch == self.round_epoch.value and epoch != self.ended_epoch.value
+            return "later" if running else "none"
+        if self._served.get(asker) == epoch:
+            return "refused"
+        if self._serving >= SERVE_MAX:
+            return "busy"
+        return "ok"
+
+    async def rpc_round_result(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        try:
+            ask = self.serializer.loads(request.metadata)
+            epoch = ask["epoch"]
+            if not isinstance(epoch, int) or isinstance(epoch, bool):
+                raise TypeError(type(epoch))
+        except Exception:
+            yield self._answer(status="malformed")
+            return
+        status = self._status_for(context.remote_id, epoch)
+        if status != "ok":
+            yield self._answer(status=status)
+            return
+        self._serving += 1
+        try:
+            encoded = await asyncio.get_event_loop().run_in_executor(None, self._encoded_result, epoch)
+            if encoded is None:
+                yield self._answer(status="none")
+                return
+            self._served = {peer: e for peer, e in self._served.items() if e >= epoch - 2}
+            self._served[context.remote_id] = epoch
+            yield self._answer(status="ok", epoch=epoch, tensors=len(encoded))
+            for serialized in encoded:
+                for chunk in split_for_streaming(serialized, CHUNK):
+                    yield averaging_pb2.DownloadData(tensor_part=chunk)
+            logger.info("Sent round %d's averaged gradients to %s", epoch, context.remote_id)
+        finally:
+            self._serving -= 1
+
+    def _encoded_result(self, epoch: int):
+        """(an executor thread) The result of round ``epoch`` as served (None once it was overwritten, or while the
+        averaged tensors stay locked); copied under the lock, encoded outside it, so this peer's next round never
+        waits for an asker."""
+        if not self.lock_averaged_tensors.acquire(timeout=LOCK_WAIT):
+            return None
+        try:
+            if self.result_epoch.value != epoch:
+                return None
+            result = [t.detach().clone() for t in self._averaged_tensors]
+        finally:
+            self.lock_averaged_tensors.release()
+        return [self._encode(i, t) for i, t in enumerate(result)]
+
+    def _write_result(self, epoch: int, tensors: Sequence[torch.Tensor], timeout: float) -> bool:
+        """(an executor thread) Overwrite the averaged tensors with a fetched result, unless they stay locked
+        (this peer's own all-reduce still runs: hivemind holds the lock for its whole length) beyond ``timeout``."""
+        if not self.lock_averaged_tensors.acquire(timeout=max(timeout, 0.0)):
+            return False
+        try:
+            for target, value in zip(self._averaged_tensors, tensors):
+                target.copy_(value)
+            self.result_epoch.value = epoch
+            return True
+        finally:
+            self.lock_averaged_tensors.release()
+
+    def _encode(self, index: int, tensor: torch.Tensor):
+        """The first encoding that decodes to the exact bits: the wire compression (exact for float16 parts), the
+        8-bit blockwise codes that gave these values (``exact_blockwise``), else uncompressed."""
+        compression = self.allreduce_kwargs["compression"]
+        infos = self.tensor_infos
+        info = infos[index] if infos is not None else CompressionInfo.from_tensor(tensor, key=index)
+        for encode in (lambda: compression.compress(tensor, info), lambda: exact_blockwise(tensor)):
+            try:
+                serialized = encode()
+                if serialized is not None and torch.equal(deserialize_torch_tensor(serialized), tensor):
+                    return serialized
+            except Exception:  # e.g. no bitsandbytes: uncompressed
+                pass
+        return serialize_torch_tensor(tensor)
+
+    # ------------------------------------------------------------------------------------------ fetching
+
+    def fetch_round_result(
+        self, *, epoch: int, candidates: Sequence[PeerID], max_norm: float, timeout: float, outside_group: bool = False
+    ) -> Optional[List[PeerID]]:
+        """(host) Ask ``candidates`` for round ``epoch``'s result; on success it is in the averaged tensors and the
+        peers whose answers were used are returned, else None (nothing changed). ``outside_group``: not the members
+        of this peer's last round (it was alone in its group: the others took the swarm's round elsewhere)."""
+        future = MPFuture()
+        ask = dict(future=future, epoch=epoch, candidates=list(candidates), max_norm=max_norm, timeout=timeout)
+        ask["outside_group"] = outside_group
+        self._outer_pipe.send(("_fetch_round_result", [], ask))
+        try:
+            return future.result(timeout=timeout + 10)
+        except Exception as e:
+            logger.warning("Fetching round %d's result failed: %r", epoch, e)
+            return None
+
+    async def _fetch_round_result(
+        self, future, epoch: int, candidates, max_norm: float, timeout: float, outside_group: bool
+    ):
+        used = None
+        try:
+            excluded = self._last_group if outside_group else frozenset()
+            candidates = [peer for peer in candidates if peer not in excluded]
+            used = await self._fetch_agreed(epoch, candidates, max_norm, time.monotonic() + timeout)
+        except Exception as e:
+            logger.warning("Fetching round %d's result failed: %r", epoch, e)
+        finally:
+            if not future.done():
+                future.set_result(used)
+
+    def _layout(self) -> List[Tuple[torch.Size, torch.dtype]]:
+        # no lock: shapes and dtypes never change, and the averager process must never block its event loop on the
+        # lock (its own all-reduce, which holds it, needs that loop to finish)
+        return [(t.shape, t.dtype) for t in self._averaged_tensors]
+
+    async def _fetch_agreed(self, epoch: int, candidates: List[PeerID], max_norm: float, deadline: float):
+        layout = self._layout()
+        peers = [peer for peer in candidates if peer != self.peer_id]
+        random.shuffle(peers)  # askers spread over the peers that took the round
+        tasks = {asyncio.create_task(self._ask_result(peer, epoch, layout, deadline)): peer for peer in peers[:ASK]}
+        answers: List[Tuple[PeerID, List[torch.Tensor]]] = []
+        refusals = []
+        try:
+            pending = set(tasks)
+            while pending and not _agreed(answers):
+                done, pending = await asyncio.wait(
+                    pending, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    break
+                for task in done:
+                    try:
+                        answers.append((tasks[task], task.result()))
+                    except Exception as e:
+                        refusals.append(f"{tasks[task]}: {e!r}")
+        finally:
+            for task in tasks:
+                task.cancel()
+        chosen = _choose(answers, max_norm)
+        if chosen is None:
+            logger.info(
+                "No usable result of round %d from %d peers (%d answers; %s)",
+                epoch,
+                len(tasks),
+                len(answers),
+                "; ".join(refusals) or "no refusal",
+            )
+            return None
+        used, tensors = chosen
+        remaining = deadline - time.monotonic()
+        written = await asyncio.get_event_loop().run_in_executor(None, self._write_result, epoch, tensors, remaining)
+        if not written:
+            logger.info("Round %d's result arrived, but this peer's own all-reduce still holds its tensors", epoch)
+            return None
+        return used
+
+    async def _ask_result(self, peer: PeerID, epoch: int, layout, deadline: float) -> List[torch.Tensor]:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        request = averaging_pb2.DownloadData(metadata=self.serializer.dumps({"epoch": epoch}))
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FetchFailed("no answer in time")
+            stream = await asyncio.wait_for(stub.rpc_round_result(request), timeout=remaining)
+            iterator = stream.__aiter__()
+            try:
+                head = await asyncio.wait_for(iterator.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
+                answer = self.serializer.loads(head.metadata)
+                status = answer.get("status") if isinstance(answer, dict) else None
+                if status == "ok":
+                    if answer.get("epoch") != epoch or answer.get("tensors") != len(layout):
+                        raise FetchFailed(f"it announced {answer!r} for round {epoch} of {len(layout)} tensors")
+                    return await self._read_result(iterator, layout, deadline)
+            finally:
+                await close_stream(iterator)
+            if status != "later":
+                raise FetchFailed(f"it answered {status!r}")
+            await asyncio.sleep(LATER_POLL)
+
+    async def _read_result(self, iterator, layout, deadline: float) -> List[torch.Tensor]:
+        limit = sum(shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in layout)
+        limit += 1024 * (len(layout) + 1)  # message headers
+        tensors, parts, received = [], [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(iterator.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                break
+            received += message.ByteSize()
+            if received > limit:
+                raise FetchFailed(f"it sent more than {limit} bytes, the uncompressed result")
+            if message.tensor_part.dtype and parts:
+                tensors.append(_checked(combine_from_streaming(parts), len(tensors), layout))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(_checked(combine_from_streaming(parts), len(tensors), layout))
+        if len(tensors) != len(layout):
+            raise FetchFailed(f"it sent {len(tensors)} of the result's {len(layout)} tensors")
+        return tensors
+
+
+_BLOCK: Optional[int] = None
+
+
+def _block_size(codec: BlockwiseQuantization) -> int:
+    """Values per 8-bit block of hivemind's blockwise codec, read from what it encodes (not its private constant)."""
+    global _BLOCK
+    if _BLOCK is None:
+        probe = codec.compress(torch.zeros(1 << 16), CompressionInfo.from_tensor(torch.zeros(1 << 16), key=0))
+        _BLOCK = (1 << 16) // int(np.frombuffer(probe.buffer, count=1, dtype=np.int64)[0])
+    return _BLOCK
+
+
+def exact_blockwise(tensor: torch.Tensor) -> Optional[runtime_pb2.Tensor]:
+    """hivemind's blockwise 8-bit encoding of values that are themselves such a decoding (a ``same_result`` round's
+    result of 8-bit parts: every value is ``code[c] * absmax`` of its block): recovers each block's ``absmax`` and
+    codes instead of quantizing again, which moves some values by a code (hivemind's codecs are not idempotent).
+    About 1 byte per value instead of 4; the caller checks that it decodes to the exact bits. None for non-float32."""
+    if tensor.dtype != torch.float32 or tensor.numel() == 0:
+        return None
+    codec = BlockwiseQuantization()
+    block = _block_size(codec)
+    flat = tensor.detach().reshape(-1)
+    blocks = torch.cat([flat, flat.new_zeros((-flat.numel()) % block)]).view(-1, block)
+    _, (_, code) = codec.quantize(torch.zeros(block))
+    code = torch.as_tensor(code)
+    absmax, codes = _fit_blocks(blocks, code)
+    codes = codes.reshape(-1)[: flat.numel()]
+    buffer = b"".join(
+        (
+            np.int64(len(absmax)).tobytes(),
+            np.int64(len(code)).tobytes(),
+            absmax.numpy().tobytes(),
+            code.numpy().tobytes(),
+            codes.numpy().tobytes(),
+        )
+    )
+    return runtime_pb2.Tensor(
+        buffer=buffer, size=tensor.shape, dtype="float32", requires_grad=False, compression=codec.compression_type
+    )
+
+
+def _fit_blocks(blocks: torch.Tensor, code: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each block's scale and codes such that ``code[codes] * scale`` gives back the block exactly where such exist.
+    The scale is the block's largest value (the codebook's 1.0), or a float32 number a few steps around the
+    smallest value over the codebook's most negative code (several numbers give that one product: the one that
+    gives back every value of the block is kept)."""
+    top, low = blocks.amax(1), blocks.amin(1)
+    order = torch.argsort(code)
+    sorted_code = code[order]
+    guess = (low.double() / sorted_code[0].double()).float()
+    candidates = [top]
+    up, down = guess.clone(), guess.clone()
+    inf, zero = torch.full_like(guess, float("inf")), torch.zeros_like(guess)
+    for _ in range(8):
+        candidates += [up, down]
+        up, down = torch.nextafter(up, inf), torch.nextafter(down, zero)
+    best_scale, best_codes = top.clone(), torch.zeros(blocks.shape, dtype=torch.uint8)
+    found = torch.zeros(len(blocks), dtype=torch.bool)
+    for scale in candidates:
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+        index = torch.bucketize((blocks / divisor).contiguous(), sorted_code).clamp(1, len(code) - 1)
+        below = index - 1
+        pick = torch.where(sorted_code[below] * scale[:, None] == blocks, below, index)
+        exact = (sorted_code[pick] * scale[:, None] == blocks).all(1) & ~found
+        best_scale = torch.where(exact, scale, best_scale)
+        best_codes[exact] = order[pick[exact]].to(torch.uint8)
+        found |= exact
+        if bool(found.all()):
+            break
+    return best_scale, best_codes
+
+
+def _checked(serialized, index: int, layout) -> torch.Tensor:
+    if index >= len(layout):
+        raise FetchFailed(f"it sent more than the result's {len(layout)} tensors")
+    try:
+        tensor = deserialize_torch_tensor(serialized)
+    except Exception as e:
+        raise FetchFailed(f"its tensor {index} does not decode: {e!r}") from None
+    shape, dtype = layout[index]
+    if tensor.shape != shape or tensor.dtype != dtype:
+        raise FetchFailed(f"its tensor {index} is {tuple(tensor.shape)} {tensor.dtype}, not {tuple(shape)} {dtype}")
+    if not bool(torch.isfinite(tensor).all()):
+        raise FetchFailed(f"its tensor {index} holds NaN/inf")
+    return tensor
+
+
+def _same(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def _groups(answers):
+    """Answers grouped by equal bits: [[(peer, tensors), ...], ...]."""
+    groups: List[list] = []
+    for peer, tensors in answers:
+        for group in groups:
+            if _same(group[0][1], tensors):
+                group.append((peer, tensors))
+                break
+        else:
+            groups.append([(peer, tensors)])
+    return groups
+
+
+def _agreed(answers) -> bool:
+    return any(len(group) >= 2 for group in _groups(answers))
+
+
+def _choose(answers, max_norm: float) -> Optional[Tuple[List[PeerID], List[torch.Tensor]]]:
+    """The result to take (see the module docstring), or None."""
+    groups = sorted(_groups(answers), key=len, reverse=True)
+    if not groups or (len(groups) > 1 and len(groups[0]) == len(groups[1])):
+        if len(groups) > 1:
+            logger.warning("Peers sent different results of one round: %s", [[p for p, _ in g] for g in groups])
+        return None
+    best = groups[0]
+    peers, tensors = [peer for peer, _ in best], best[0][1]
+    if len(groups) > 1 and len(best) < 2:
+        return None
+    norm = float(torch.linalg.vector_norm(torch.stack([t.float().norm() for t in tensors])))
+    if not norm <= max_norm:  # also for answers that agree: two colluding peers are held to the same bound
+        logger.warning("Refused the result of %s: norm %.3g above the bound %.3g", peers, norm, max_norm)
+        return None
+    return peers, tensors
