@@ -131,11 +131,13 @@ class BoundedAllReduceRunner(AllReduceRunner):
 
     def __init__(self, *, clip_factor: float, same_result: bool = False, **kwargs):
         super().__init__(**kwargs)
-        if self.sender_timeout is not None:
+        if same_result and self.sender_timeout is not None:
             # a reducer answers a part once every sender's part arrived or its sender was banned, which for a client
             # takes up to CLIENT_START_TIMEOUTS sender_timeouts (_handle_missing_senders); hivemind's reducer_timeout
             # (2 x sender_timeout) equalled that, so when a client of the group died the full peers gave up on each
-            # other as reducers at the very moment the client was banned, and all of them lost the round
+            # other as reducers at the very moment the client was banned, and all of them lost the round. Sync-mode
+            # gradients only, where it was measured: local mode's sender_timeout is a third of its all-reduce time,
+            # so the floor would be that whole time
             floor = (CLIENT_START_TIMEOUTS + 1) * self.sender_timeout
             self.reducer_timeout = max(self.reducer_timeout or 0.0, floor)
         unused = self.tensor_part_reducer
