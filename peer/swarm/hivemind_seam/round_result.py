@@ -20,7 +20,9 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
 - ``rpc_round_result`` (a new RPC, hivemind's ``DownloadData`` message both ways, ``metadata`` a small msgpack
   request/answer): ``{"epoch": E}``. The answer is ``ok`` and then every tensor (in the wire compression where
   decoding it gives back the exact bits, else uncompressed), ``later`` while this peer's own round of E still runs,
-  ``busy`` above ``SERVE_MAX`` answers at once, ``refused`` to an asker that already took E, or ``none``.
+  ``busy`` above ``SERVE_MAX`` answers at once, ``refused`` to an asker that already took E, or ``none``. After
+  ``none`` the asker asks for E + 1 and takes it only if that round was still running when it asked (its own epoch
+  label lagged one behind the round it was in).
 - ``fetch_round_result`` (host) / ``_fetch_round_result`` (averager process): asks up to ``ASK`` of the given
   peers at once until ``timeout``. Each answer is untrusted: its tensors must have this peer's shapes and dtypes, be
   finite and come in at most the uncompressed size. Two or more answers must agree bit for bit (the largest group
@@ -69,8 +71,8 @@ CHUNK = 1 << 20
 MIN_RATE = 2_500_000.0
 """Bytes/s the fetch's time allows for the uncompressed result (a 20 Mbit/s downlink): ``fetch_seconds``."""
 NORM_FACTOR = 4.0
-"""A lone answer's norm may be at most this times this peer's own averaged gradient's (peer.swarm.robust's clip
-factor: the bound a reducer's average is held to)."""
+"""The result taken may have at most this times the norm of this peer's own averaged gradients (peer.swarm.robust's
+clip factor), agreed answers included: two colluding peers are held to the bound one is."""
 
 
 def fetch_seconds(averaging_timeout: float, result_bytes: int) -> float:
@@ -81,6 +83,10 @@ def fetch_seconds(averaging_timeout: float, result_bytes: int) -> float:
 
 class FetchFailed(Exception):
     """A peer's answer was refused or could not be used."""
+
+
+class NotHeld(FetchFailed):
+    """A peer holds no result of the round asked for."""
 
 
 class RoundResultSharing:
@@ -296,7 +302,17 @@ class RoundResultSharing:
 
     async def _ask_result(self, peer: PeerID, epoch: int, layout, deadline: float) -> List[torch.Tensor]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        try:
+            return await self._ask_epoch(stub, epoch, layout, deadline, only_running=False)
+        except NotHeld:
+            # a peer whose round of the next epoch runs right now: this peer's label lagged one behind the round it
+            # was in (it joined the others' next round; seen on a busy loopback swarm). A round of the next epoch
+            # that is already over, or not begun, is not this peer's and is not taken.
+            return await self._ask_epoch(stub, epoch + 1, layout, deadline, only_running=True)
+
+    async def _ask_epoch(self, stub, epoch: int, layout, deadline: float, only_running: bool) -> List[torch.Tensor]:
         request = averaging_pb2.DownloadData(metadata=self.serializer.dumps({"epoch": epoch}))
+        running = False
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -307,14 +323,17 @@ class RoundResultSharing:
                 head = await asyncio.wait_for(iterator.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
                 answer = self.serializer.loads(head.metadata)
                 status = answer.get("status") if isinstance(answer, dict) else None
-                if status == "ok":
+                if status == "ok" and (running or not only_running):
                     if answer.get("epoch") != epoch or answer.get("tensors") != len(layout):
                         raise FetchFailed(f"it announced {answer!r} for round {epoch} of {len(layout)} tensors")
                     return await self._read_result(iterator, layout, deadline)
             finally:
                 await close_stream(iterator)
+            if status == "none" and not only_running:
+                raise NotHeld(f"it answered {status!r}")
             if status != "later":
-                raise FetchFailed(f"it answered {status!r}")
+                raise FetchFailed(f"it answered {status!r} (round {epoch})")
+            running = True
             await asyncio.sleep(LATER_POLL)
 
     async def _read_result(self, iterator, layout, deadline: float) -> List[torch.Tensor]:
