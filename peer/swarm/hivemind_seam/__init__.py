@@ -114,7 +114,8 @@ Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
   ``round_wait.seconds()`` (at least averaging_timeout, longer once rounds proved slower: peer.swarm.round_wait)
   instead of averaging_timeout, and the round's outcome (``timing.round_outcome``) reported to the round observers.
   A trainer whose round failed, or kept some of its own values, takes the round's result from peers that took it
-  (``_repair_from_round_result``, round_result.py) before it falls back to hivemind's step with its own gradients.
+  (``_repair_from_round_result``, round_result.py) before it falls back to hivemind's local gradients (in sync mode
+  its accumulators, which the round's start already reset: a step with zero gradients).
   An auxiliary peer takes the epoch's optimizer step, as the trainers do, when its gradient averager took the round's
   whole result (``whole_results``): hivemind 1.1.12 does not pass the peers' modes to the all-reduce runner, so an
   auxiliary averager runs as a zero-weight sender and receives the result like the others, but hivemind's auxiliary

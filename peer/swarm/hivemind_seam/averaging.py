@@ -1059,11 +1059,12 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         # read by _make_state_averager, which hivemind.Optimizer.__init__ calls
         self.policy, self.download_settings = policy, download_settings
         self.missed_round = False
-        """The last all-reduce of a trainer failed while other peers were online, so hivemind stepped with this peer's
-        own gradients (sync mode) or pseudo-gradient (local mode): its parameters and optimizer statistics left the
-        swarm's. The trainer re-syncs (peer.strategies.resync_after_missed_round): in local mode a whole round's
-        divergence; in sync mode one step's, whose gap LAMB's statistics keep for many epochs (0.02-0.1 on the home
-        testbed with the tiny preset, against a tolerance of 0.01)."""
+        """The last all-reduce of a trainer failed while other peers were online and no peer gave it the round's
+        result (round_result.py), so hivemind stepped with its fallback: in sync mode the accumulators, which the
+        round's start already reset (zero gradients), in local mode this peer's own pseudo-gradient. Its parameters
+        and optimizer statistics left the swarm's. The trainer re-syncs (peer.strategies.resync_after_missed_round):
+        in local mode a whole round's divergence; in sync mode one step's, whose gap LAMB's statistics keep for many
+        epochs (0.02-0.1 on the home testbed with the tiny preset, against a tolerance of 0.01)."""
         self._whole_results_seen = 0  # the gradient averager's whole_results when this peer last looked
         self.repaired_rounds = 0
         """Rounds this trainer missed and took the result of from peers that took them (round_result.py)."""
