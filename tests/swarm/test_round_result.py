@@ -19,7 +19,7 @@ from hivemind.compression import (
 )
 
 from peer.swarm.hivemind_seam.averaging import _PolicyAveraging
-from peer.swarm.hivemind_seam.round_result import RoundResultSharing, exact_blockwise
+from peer.swarm.hivemind_seam.round_result import GROUP_DIGEST, RoundResultSharing, exact_blockwise
 
 SIZE = 300_000
 EPOCH = 7
@@ -45,16 +45,17 @@ def _inputs(count: int):
     return [common + 0.3 * torch.randn(SIZE, generator=generator) for _ in range(count)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def swarm():
-    """Three peers (two honest, one rogue) that averaged round EPOCH, and three client-mode peers that did not take
-    part (each asks once: a peer serves an asker one result per round)."""
+    """Three peers (two honest, one rogue) that averaged round EPOCH, and five client-mode peers that did not take
+    part (each asks once: a peer serves an asker one result per round). Built for each test: the suite kills a test's
+    child processes when it ends (conftest.py)."""
     first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     dhts = [first] + [
         hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs(), client_mode=index >= 3)
-        for index in range(1, 6)
+        for index in range(1, 8)
     ]
-    kinds = [_Averager, _Averager, _Rogue, _Averager, _Averager, _Averager]
+    kinds = [_Averager, _Averager, _Rogue] + [_Averager] * 5
     averagers = [
         kind(
             [tensor.clone()],
@@ -68,7 +69,7 @@ def swarm():
             client_mode=index >= 3,
             start=True,
         )
-        for index, (kind, dht, tensor) in enumerate(zip(kinds, dhts, _inputs(6)))
+        for index, (kind, dht, tensor) in enumerate(zip(kinds, dhts, _inputs(8)))
     ]
     try:
         for averager in averagers[:3]:
@@ -90,7 +91,7 @@ def _tensor(averager) -> torch.Tensor:
 
 @pytest.mark.timeout(180)
 def test_a_missed_round_is_taken_from_the_peers_that_took_it_and_a_rogue_is_outvoted(swarm):
-    honest, other, rogue, asker, outvoted, lone = swarm
+    honest, other, rogue, asker, outvoted, lone, _, _ = swarm
     assert [averager.result_epoch.value for averager in (honest, other, rogue)] == [EPOCH] * 3
     result = _tensor(honest)
     assert torch.equal(result, _tensor(other)) and torch.equal(result, _tensor(rogue))
@@ -126,6 +127,30 @@ def test_a_missed_round_is_taken_from_the_peers_that_took_it_and_a_rogue_is_outv
     # a peer serves an asker once per round
     again = lone.fetch_round_result(epoch=EPOCH, candidates=[other.peer_id], max_norm=10 * norm, timeout=5)
     assert again is None
+
+
+@pytest.mark.timeout(120)
+def test_a_round_is_named_by_its_group_where_the_asker_was_in_one(swarm):
+    """Epoch labels can differ by one between peers (a client's lagged behind the round it was in); every member of
+    a group knows the group's ID. A peer whose group formed asks for that group's result, whatever its label."""
+    honest, other, *_, lagged, stranger = swarm
+    digest = bytes(honest.formed_group.raw)
+    assert honest.formed_epoch.value == EPOCH and bytes(other.formed_group.raw) == digest
+    result = _tensor(honest)
+    norm = float(result.norm())
+    peers = [honest.peer_id, other.peer_id]
+
+    # in the group under a label one behind: it takes the group's result
+    lagged.formed_group.raw, lagged.formed_epoch.value = digest, EPOCH - 1
+    used = lagged.fetch_round_result(epoch=EPOCH - 1, candidates=peers, max_norm=10 * norm, timeout=20)
+    assert used is not None and sorted(map(str, used)) == sorted(map(str, peers))
+    assert torch.equal(_tensor(lagged), result)
+
+    # in another group under the same label: the label is not the round, nothing is taken
+    stranger.formed_group.raw, stranger.formed_epoch.value = bytes(GROUP_DIGEST), EPOCH
+    before = _tensor(stranger)
+    assert stranger.fetch_round_result(epoch=EPOCH, candidates=peers, max_norm=10 * norm, timeout=5) is None
+    assert torch.equal(_tensor(stranger), before)
 
 
 @pytest.mark.parametrize("size", [524_288, 65_536, 12_293])

@@ -429,6 +429,7 @@ class _PolicyAveraging:
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
+        self._allreduce_began(group_id)
         try:
             await self._run_bounded(runner, tensors, group_info)
         finally:
@@ -481,6 +482,9 @@ class _PolicyAveraging:
     def _took_whole_result(self, group: Sequence[PeerID], alone: bool) -> None:
         """(averager process) A ``same_result`` round's whole result was just copied in (round_result.py); ``alone``:
         no other member of the ``group`` sent data (this peer's own gradients, or an aux's zeros)."""
+
+    def _allreduce_began(self, group_id: bytes) -> None:
+        """(averager process) An all-reduce of this averager's group ``group_id`` begins (its group formed)."""
 
     def _allreduce_ended(self) -> None:
         """(averager process) An all-reduce of this averager ended, with or without a result."""

@@ -17,12 +17,19 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
   a ``same_result`` round's whole result was copied in, ``_took_whole_result``; cleared by the host whenever the
   averaged tensors are overwritten, ``load_accumulators_into_averager_``): the averaged tensors hold the result of
   round ``result_epoch``.
+- ``formed_epoch`` / ``formed_group`` (set in the averager process when an all-reduce begins, ``_allreduce_began``):
+  the ``round_epoch`` of the last round whose group formed, and that group's ID (its SHA-256, ``group_digest``).
+  A round is named by its group when the asker was in one: every member of a group knows its ID, while epoch labels
+  can differ by one between peers (a client's label lagged one behind the round it was in, on a busy loopback
+  swarm). A round whose group never formed for this peer ("could not find a group") is named by its epoch.
 - ``rpc_round_result`` (a new RPC, hivemind's ``DownloadData`` message both ways, ``metadata`` a small msgpack
-  request/answer): ``{"epoch": E}``. The answer is ``ok`` and then every tensor (in the wire compression where
-  decoding it gives back the exact bits, else uncompressed), ``later`` while this peer's own round of E still runs,
-  ``busy`` above ``SERVE_MAX`` answers at once, ``refused`` to an asker that already took E, or ``none``. After
-  ``none`` the asker asks for E + 1 and takes it only if that round was still running when it asked (its own epoch
-  label lagged one behind the round it was in).
+  request/answer): ``{"epoch": E}`` or ``{"epoch": E, "group": digest}``. The answer is ``ok`` and then every
+  tensor (in the wire compression where decoding it gives back the exact bits, else uncompressed), ``later`` while
+  this peer's own round of E (of that group) still runs, ``busy`` above ``SERVE_MAX`` answers at once, ``refused``
+  to an asker that already took that round, or ``none``. An asker whose group had no other data sender (it asks
+  outside its group, below) asks for E + 1 after ``none`` and takes it only if that round was still running when it
+  asked; one that found no group does not (the others' next round is not the round it missed: a home volunteer
+  that came late for round 0 took round 1's result that way).
 - ``fetch_round_result`` (host) / ``_fetch_round_result`` (averager process): asks up to ``ASK`` of the given
   peers at once until ``timeout``. Each answer is untrusted: its tensors must have this peer's shapes and dtypes, be
   finite and come in at most the uncompressed size. Two or more answers must agree bit for bit (the largest group
@@ -35,11 +42,12 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import multiprocessing as mp
 import random
 import time
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -66,6 +74,8 @@ LATER_POLL = 0.25
 """Seconds between asks to a peer whose own round of that epoch is still running."""
 LOCK_WAIT = 2.0
 """Seconds a server waits for its averaged tensors' lock before it answers ``none`` (its next round holds it)."""
+GROUP_DIGEST = 32
+"""Bytes of a round's name on the wire (``group_digest``)."""
 CHUNK = 1 << 20
 """Bytes per streamed message."""
 MIN_RATE = 2_500_000.0
@@ -98,10 +108,14 @@ class RoundResultSharing:
         self.ended_epoch = mp.Value("q", -1)  # the round_epoch of the last all-reduce that ended, well or not
         self.result_epoch = mp.Value("q", -1)
         self.alone = mp.Value("b", 0)  # the last whole result was this peer's own: no other member sent data
+        self.formed_epoch = mp.Value("q", -1)  # the round_epoch of the last all-reduce whose group formed
+        self.formed_group = mp.Array("c", GROUP_DIGEST)  # that group's group_digest
+        self._running_group: Optional[bytes] = None  # (averager process) the digest of the group averaging now
+        self._result_group: Optional[bytes] = None  # (averager process) the digest of the held result's group
         self._last_group: frozenset = frozenset()  # (averager process) the members of the last whole-result round
         self.local_norm: Optional[float] = None
         """Norm of this peer's own averaged gradients as last loaded for a round (host process)."""
-        self._served: Dict[PeerID, int] = {}  # the last epoch each asker took (averager process)
+        self._served: Dict[PeerID, int] = {}  # (averager process) the held epoch each asker last took
         self._serving = 0
         super().__init__(*args, **kwargs)
 
@@ -126,24 +140,38 @@ class RoundResultSharing:
         nobody else of the group sent data (a public trainer whose clients all missed the round took the swarm's
         only round)."""
         self._last_group, self.alone.value = frozenset(group), alone
+        self._result_group = self._running_group
         self.result_epoch.value = self.round_epoch.value
+
+    def _allreduce_began(self, group_id: bytes) -> None:
+        """(averager process) This peer's group of ``round_epoch`` formed: the round is now named by it."""
+        digest = group_digest(group_id)
+        self._running_group = digest
+        self.formed_group.raw = digest
+        self.formed_epoch.value = self.round_epoch.value
 
     def _allreduce_ended(self) -> None:
         """(averager process) This peer's all-reduce of ``round_epoch`` ended, with or without a result."""
         self.ended_epoch.value = self.round_epoch.value
+        self._running_group = None
 
     # ------------------------------------------------------------------------------------------- serving
 
     def _answer(self, **fields) -> averaging_pb2.DownloadData:
         return averaging_pb2.DownloadData(metadata=self.serializer.dumps(fields))
 
-    def _status_for(self, asker: PeerID, epoch: int) -> str:
+    def _status_for(self, asker: PeerID, epoch: int, group: Optional[bytes], held: int) -> str:
+        """The answer to ``asker``'s ask for round ``epoch`` (of ``group`` if given) while the averaged tensors
+        hold round ``held``'s result (-1: none)."""
         if not self.shares_round_results:
             return "none"
-        if epoch != self.result_epoch.value:
+        if group is not None:
+            if held < 0 or self._result_group != group:
+                return "later" if group == self._running_group else "none"
+        elif epoch != held:
             running = epoch == self.round_epoch.value and epoch != self.ended_epoch.value
             return "later" if running else "none"
-        if self._served.get(asker) == epoch:
+        if self._served.get(asker) == held:
             return "refused"
         if self._serving >= SERVE_MAX:
             return "busy"
@@ -154,47 +182,52 @@ class RoundResultSharing:
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         try:
             ask = self.serializer.loads(request.metadata)
-            epoch = ask["epoch"]
+            epoch, group = ask["epoch"], ask.get("group")
             if not isinstance(epoch, int) or isinstance(epoch, bool):
                 raise TypeError(type(epoch))
+            if group is not None and not (isinstance(group, bytes) and len(group) == GROUP_DIGEST):
+                raise ValueError("group")
         except Exception:
             yield self._answer(status="malformed")
             return
-        status = self._status_for(context.remote_id, epoch)
+        held = self.result_epoch.value
+        status = self._status_for(context.remote_id, epoch, group, held)
         if status != "ok":
             yield self._answer(status=status)
             return
         self._serving += 1
         try:
-            encoded = await asyncio.get_event_loop().run_in_executor(None, self._encoded_result, epoch)
+            encoded = await asyncio.get_event_loop().run_in_executor(None, self._encoded_result, held, group)
             if encoded is None:
                 yield self._answer(status="none")
                 return
-            self._served = {peer: e for peer, e in self._served.items() if e >= epoch - 2}
-            self._served[context.remote_id] = epoch
+            self._served = {peer: taken for peer, taken in self._served.items() if taken >= held - 2}
+            self._served[context.remote_id] = held
             yield self._answer(status="ok", epoch=epoch, tensors=len(encoded))
             for serialized in encoded:
                 for chunk in split_for_streaming(serialized, CHUNK):
                     yield averaging_pb2.DownloadData(tensor_part=chunk)
-            logger.info("Sent round %d's averaged gradients to %s", epoch, context.remote_id)
+            logger.info("Sent round %d's averaged gradients to %s", held, context.remote_id)
         finally:
             self._serving -= 1
 
-    def _encoded_result(self, epoch: int):
-        """(an executor thread) The result of round ``epoch`` as served (None once it was overwritten, or while the
-        averaged tensors stay locked); copied under the lock, encoded outside it, so this peer's next round never
-        waits for an asker."""
+    def _encoded_result(self, epoch: int, group: Optional[bytes]):
+        """(an executor thread) The result of round ``epoch`` (of ``group`` if given) as served (None once it was
+        overwritten, or while the averaged tensors stay locked); copied under the lock, encoded outside it, so this
+        peer's next round never waits for an asker."""
         if not self.lock_averaged_tensors.acquire(timeout=LOCK_WAIT):
             return None
         try:
-            if self.result_epoch.value != epoch:
+            if self.result_epoch.value != epoch or (group is not None and self._result_group != group):
                 return None
             result = [t.detach().clone() for t in self._averaged_tensors]
         finally:
             self.lock_averaged_tensors.release()
         return [self._encode(i, t) for i, t in enumerate(result)]
 
-    def _write_result(self, epoch: int, tensors: Sequence[torch.Tensor], timeout: float) -> bool:
+    def _write_result(
+        self, epoch: int, group: Optional[bytes], tensors: Sequence[torch.Tensor], timeout: float
+    ) -> bool:
         """(an executor thread) Overwrite the averaged tensors with a fetched result, unless they stay locked
         (this peer's own all-reduce still runs: hivemind holds the lock for its whole length) beyond ``timeout``."""
         if not self.lock_averaged_tensors.acquire(timeout=max(timeout, 0.0)):
@@ -202,6 +235,7 @@ class RoundResultSharing:
         try:
             for target, value in zip(self._averaged_tensors, tensors):
                 target.copy_(value)
+            self._result_group = group  # served on, under the name it was taken by
             self.result_epoch.value = epoch
             return True
         finally:
@@ -247,7 +281,10 @@ class RoundResultSharing:
         try:
             excluded = self._last_group if outside_group else frozenset()
             candidates = [peer for peer in candidates if peer not in excluded]
-            used = await self._fetch_agreed(epoch, candidates, max_norm, time.monotonic() + timeout)
+            # a round whose group formed is named by it; alone in its group, the round asked for is the others'
+            group = bytes(self.formed_group.raw) if self.formed_epoch.value == epoch and not outside_group else None
+            round_ = _Round(epoch, group, next_if_running=outside_group)
+            used = await self._fetch_agreed(round_, candidates, max_norm, time.monotonic() + timeout)
         except Exception as e:
             logger.warning("Fetching round %d's result failed: %r", epoch, e)
         finally:
@@ -259,11 +296,12 @@ class RoundResultSharing:
         # lock (its own all-reduce, which holds it, needs that loop to finish)
         return [(t.shape, t.dtype) for t in self._averaged_tensors]
 
-    async def _fetch_agreed(self, epoch: int, candidates: List[PeerID], max_norm: float, deadline: float):
+    async def _fetch_agreed(self, round_: "_Round", candidates: List[PeerID], max_norm: float, deadline: float):
+        epoch = round_.epoch
         layout = self._layout()
         peers = [peer for peer in candidates if peer != self.peer_id]
         random.shuffle(peers)  # askers spread over the peers that took the round
-        tasks = {asyncio.create_task(self._ask_result(peer, epoch, layout, deadline)): peer for peer in peers[:ASK]}
+        tasks = {asyncio.create_task(self._ask_result(peer, round_, layout, deadline)): peer for peer in peers[:ASK]}
         answers: List[Tuple[PeerID, List[torch.Tensor]]] = []
         refusals = []
         try:
@@ -294,24 +332,32 @@ class RoundResultSharing:
             return None
         used, tensors = chosen
         remaining = deadline - time.monotonic()
-        written = await asyncio.get_event_loop().run_in_executor(None, self._write_result, epoch, tensors, remaining)
+        written = await asyncio.get_event_loop().run_in_executor(
+            None, self._write_result, epoch, round_.group, tensors, remaining
+        )
         if not written:
             logger.info("Round %d's result arrived, but this peer's own all-reduce still holds its tensors", epoch)
             return None
         return used
 
-    async def _ask_result(self, peer: PeerID, epoch: int, layout, deadline: float) -> List[torch.Tensor]:
+    async def _ask_result(self, peer: PeerID, round_: "_Round", layout, deadline: float) -> List[torch.Tensor]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         try:
-            return await self._ask_epoch(stub, epoch, layout, deadline, only_running=False)
+            return await self._ask_epoch(stub, round_, layout, deadline, only_running=False)
         except NotHeld:
-            # a peer whose round of the next epoch runs right now: this peer's label lagged one behind the round it
-            # was in (it joined the others' next round; seen on a busy loopback swarm). A round of the next epoch
-            # that is already over, or not begun, is not this peer's and is not taken.
-            return await self._ask_epoch(stub, epoch + 1, layout, deadline, only_running=True)
+            if not round_.next_if_running:
+                raise
+            # alone in its group: the others' round of the next epoch, if it runs right now, is the one this peer's
+            # round ran beside (its label lagged one behind theirs). One already over, or not begun, is not taken.
+            following = _Round(round_.epoch + 1, None, next_if_running=False)
+            return await self._ask_epoch(stub, following, layout, deadline, only_running=True)
 
-    async def _ask_epoch(self, stub, epoch: int, layout, deadline: float, only_running: bool) -> List[torch.Tensor]:
-        request = averaging_pb2.DownloadData(metadata=self.serializer.dumps({"epoch": epoch}))
+    async def _ask_epoch(
+        self, stub, round_: "_Round", layout, deadline: float, only_running: bool
+    ) -> List[torch.Tensor]:
+        epoch = round_.epoch
+        ask = {"epoch": epoch} if round_.group is None else {"epoch": epoch, "group": round_.group}
+        request = averaging_pb2.DownloadData(metadata=self.serializer.dumps(ask))
         running = False
         while True:
             remaining = deadline - time.monotonic()
@@ -357,6 +403,20 @@ class RoundResultSharing:
         if len(tensors) != len(layout):
             raise FetchFailed(f"it sent {len(tensors)} of the result's {len(layout)} tensors")
         return tensors
+
+
+class _Round(NamedTuple):
+    """The round an asker missed: its epoch label, its group's digest if its group formed, and whether the others'
+    round of the next epoch counts when it runs at the time of asking (see ``_ask_result``)."""
+
+    epoch: int
+    group: Optional[bytes]
+    next_if_running: bool
+
+
+def group_digest(group_id: bytes) -> bytes:
+    """A round's name on the wire: the SHA-256 of its group ID (a leader picks the ID, so its length is not ours)."""
+    return hashlib.sha256(group_id).digest()
 
 
 _BLOCK: Optional[int] = None
