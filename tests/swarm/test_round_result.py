@@ -5,9 +5,6 @@ different result (well formed, plausible in size)."""
 
 from __future__ import annotations
 
-from concurrent.futures import wait
-
-import hivemind
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -20,6 +17,7 @@ from hivemind.compression import (
 
 from peer.swarm.hivemind_seam.averaging import _PolicyAveraging
 from peer.swarm.hivemind_seam.round_result import GROUP_DIGEST, RoundResultSharing, exact_blockwise
+from tests.support.averagers import average_once, shut_down, start_averagers, tensor_of
 
 SIZE = 300_000
 EPOCH = 7
@@ -50,79 +48,54 @@ def swarm():
     """Three peers (two honest, one rogue) that averaged round EPOCH, and five client-mode peers that did not take
     part (each asks once: a peer serves an asker one result per round). Built for each test: the suite kills a test's
     child processes when it ends (conftest.py)."""
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [first] + [
-        hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs(), client_mode=index >= 3)
-        for index in range(1, 8)
-    ]
+    modes = ["node"] * 3 + ["client"] * 5
     kinds = [_Averager, _Averager, _Rogue] + [_Averager] * 5
-    averagers = [
-        kind(
-            [tensor.clone()],
-            dht,
-            prefix="round_result",
-            target_group_size=3,
-            min_group_size=3,
-            min_matchmaking_time=2.0,
-            request_timeout=1.0,
-            compression=BlockwiseQuantization(),
-            client_mode=index >= 3,
-            start=True,
-        )
-        for index, (kind, dht, tensor) in enumerate(zip(kinds, dhts, _inputs(8)))
-    ]
+    dhts, averagers = start_averagers(
+        kinds, _inputs(8), modes, prefix="round_result", compression=BlockwiseQuantization()
+    )
     try:
         for averager in averagers[:3]:
             averager.round_epoch.value = EPOCH
-        steps = [averager.step(wait=False, timeout=30) for averager in averagers[:3]]
-        wait(steps, timeout=60)
-        for step in steps:
-            step.result(0)
+        average_once(averagers[:3])
         yield averagers
     finally:
-        for item in averagers + dhts:
-            item.shutdown()
-
-
-def _tensor(averager) -> torch.Tensor:
-    with averager.get_tensors() as tensors:
-        return tensors[0].clone()
+        shut_down(averagers + dhts)
 
 
 @pytest.mark.timeout(180)
 def test_a_missed_round_is_taken_from_the_peers_that_took_it_and_a_rogue_is_outvoted(swarm):
     honest, other, rogue, asker, outvoted, lone, _, _ = swarm
     assert [averager.result_epoch.value for averager in (honest, other, rogue)] == [EPOCH] * 3
-    result = _tensor(honest)
-    assert torch.equal(result, _tensor(other)) and torch.equal(result, _tensor(rogue))
+    result = tensor_of(honest)
+    assert torch.equal(result, tensor_of(other)) and torch.equal(result, tensor_of(rogue))
     norm = float(result.norm())
 
     # a round nobody took: nothing is changed
-    before = _tensor(asker)
+    before = tensor_of(asker)
     peers = [honest.peer_id, other.peer_id, rogue.peer_id]
     assert asker.fetch_round_result(epoch=EPOCH + 1, candidates=peers, max_norm=10 * norm, timeout=5) is None
-    assert torch.equal(_tensor(asker), before)
+    assert torch.equal(tensor_of(asker), before)
 
     # the two honest answers agree bit for bit and outvote the rogue's
     used = outvoted.fetch_round_result(epoch=EPOCH, candidates=peers, max_norm=10 * norm, timeout=20)
     assert used is not None and rogue.peer_id not in used and len(used) == 2
-    assert torch.equal(_tensor(outvoted), result)
+    assert torch.equal(tensor_of(outvoted), result)
     assert outvoted.result_epoch.value == EPOCH  # it can serve the round in turn
 
     # one honest and one rogue answer: neither is taken
-    before = _tensor(asker)
+    before = tensor_of(asker)
     used = asker.fetch_round_result(
         epoch=EPOCH, candidates=[honest.peer_id, rogue.peer_id], max_norm=10 * norm, timeout=20
     )
-    assert used is None and torch.equal(_tensor(asker), before)
+    assert used is None and torch.equal(tensor_of(asker), before)
 
     # a lone answer is held to the norm bound: the rogue's 1.5x result is refused under a bound of 1.2x
-    before = _tensor(lone)
+    before = tensor_of(lone)
     assert lone.fetch_round_result(epoch=EPOCH, candidates=[rogue.peer_id], max_norm=1.2 * norm, timeout=20) is None
-    assert torch.equal(_tensor(lone), before)
+    assert torch.equal(tensor_of(lone), before)
     # ... and the honest peer's within it is taken
     used = lone.fetch_round_result(epoch=EPOCH, candidates=[other.peer_id], max_norm=1.2 * norm, timeout=20)
-    assert used == [other.peer_id] and torch.equal(_tensor(lone), result)
+    assert used == [other.peer_id] and torch.equal(tensor_of(lone), result)
 
     # a peer serves an asker once per round
     again = lone.fetch_round_result(epoch=EPOCH, candidates=[other.peer_id], max_norm=10 * norm, timeout=5)
@@ -136,7 +109,7 @@ def test_a_round_is_named_by_its_group_where_the_asker_was_in_one(swarm):
     honest, other, *_, lagged, stranger = swarm
     digest = bytes(honest.formed_group.raw)
     assert honest.formed_epoch.value == EPOCH and bytes(other.formed_group.raw) == digest
-    result = _tensor(honest)
+    result = tensor_of(honest)
     norm = float(result.norm())
     peers = [honest.peer_id, other.peer_id]
 
@@ -144,13 +117,13 @@ def test_a_round_is_named_by_its_group_where_the_asker_was_in_one(swarm):
     lagged.formed_group.raw, lagged.formed_epoch.value = digest, EPOCH - 1
     used = lagged.fetch_round_result(epoch=EPOCH - 1, candidates=peers, max_norm=10 * norm, timeout=20)
     assert used is not None and sorted(map(str, used)) == sorted(map(str, peers))
-    assert torch.equal(_tensor(lagged), result)
+    assert torch.equal(tensor_of(lagged), result)
 
     # in another group under the same label: the label is not the round, nothing is taken
     stranger.formed_group.raw, stranger.formed_epoch.value = bytes(GROUP_DIGEST), EPOCH
-    before = _tensor(stranger)
+    before = tensor_of(stranger)
     assert stranger.fetch_round_result(epoch=EPOCH, candidates=peers, max_norm=10 * norm, timeout=5) is None
-    assert torch.equal(_tensor(stranger), before)
+    assert torch.equal(tensor_of(stranger), before)
 
 
 @pytest.mark.parametrize("size", [524_288, 65_536, 12_293])

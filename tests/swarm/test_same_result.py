@@ -8,15 +8,13 @@ LeanHive (hivemind's deltas) still average with it."""
 
 from __future__ import annotations
 
-from concurrent.futures import wait
-
-import hivemind
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Uniform8BitQuantization
 
 from peer.swarm.hivemind_seam.averaging import _PolicyAveraging
+from tests.support.averagers import average_once, shut_down, start_averagers, tensor_of
 
 SIZE = 300_000  # several parts per reducer (hivemind cuts parts of 512 KiB after compression)
 
@@ -43,41 +41,14 @@ def _round(kinds, modes=("node", "node", "node")):
     assisting aux peer, no data). Returns each peer's result, the exact mean of the data senders' inputs and each
     peer's count of rounds whose whole result it took (``whole_results``)."""
     inputs = [tensor if mode != "aux" else torch.zeros_like(tensor) for tensor, mode in zip(_inputs(), modes)]
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [first] + [
-        hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs(), client_mode=mode == "client")
-        for mode in modes[1:]
-    ]
-    averagers = [
-        kind(
-            [tensor.clone()],
-            dht,
-            prefix="same_result",
-            target_group_size=3,
-            min_group_size=3,
-            min_matchmaking_time=2.0,
-            request_timeout=1.0,
-            compression=Uniform8BitQuantization(),
-            client_mode=mode == "client",
-            auxiliary=mode == "aux",
-            start=True,
-        )
-        for kind, mode, dht, tensor in zip(kinds, modes, dhts, inputs)
-    ]
+    dhts, averagers = start_averagers(kinds, inputs, modes, prefix="same_result", compression=Uniform8BitQuantization())
     try:
-        steps = [averager.step(wait=False, timeout=30) for averager in averagers]
-        wait(steps, timeout=60)
-        for step in steps:
-            step.result(0)
-        results = []
-        for averager in averagers:
-            with averager.get_tensors() as tensors:
-                results.append(tensors[0].clone())
+        average_once(averagers)
+        results = [tensor_of(averager) for averager in averagers]
         senders = torch.stack([tensor for tensor, mode in zip(inputs, modes) if mode != "aux"])
         return results, senders.mean(0), [averager.whole_results.value for averager in averagers]
     finally:
-        for item in averagers + dhts:
-            item.shutdown()
+        shut_down(averagers + dhts)
 
 
 def _close_to(result: torch.Tensor, mean: torch.Tensor) -> bool:

@@ -381,7 +381,7 @@ class _PolicyAveraging:
         """Rounds (``same_result`` ones: gradients in sync mode) whose result this averager copied into every one of
         its averaged tensors, with no part kept local (a failed reducer, NaN/inf values, the two-peer bound); shared
         with the averager process. An auxiliary peer takes the optimizer step of such a round
-        (``LeanHiveOptimizer._took_whole_result``)."""
+        (``LeanHiveOptimizer._round_was_whole``)."""
         super().__init__(*args, **kwargs)
 
     def __del__(self):
@@ -688,7 +688,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         # download to catch up with the swarm. None: the parameters are at local_epoch.
         self._params_epoch: Optional[int] = None
         self._local_layout: Optional[Tuple[list, dict]] = None  # see _layout
-        self.step_with_next_epoch = False  # host process: see LeanHiveOptimizer._took_whole_result
+        self.step_with_next_epoch = False  # host process: see LeanHiveOptimizer._round_was_whole
         self.auxiliary_steps = 0  # host process: optimizer steps an auxiliary peer took that way
         # set in the averager process before each download (``_set_download_bound``): the epochs a downloaded state
         # may carry (None: no bound), the progress key that re-reads the consensus, the peers it may come from
@@ -944,7 +944,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
             if scheduled_time is not None and "scheduled_time" not in opts:
                 kwargs["averaging_opts"] = dict(opts, scheduled_time=scheduled_time)
         if increment_epoch and self.step_with_next_epoch:
-            # an auxiliary peer that holds the round's result (LeanHiveOptimizer._took_whole_result)
+            # an auxiliary peer that holds the round's result (LeanHiveOptimizer._round_was_whole)
             optimizer_step, self.step_with_next_epoch = True, False
             self.auxiliary_steps += 1
         if increment_epoch and optimizer_step and self._params_epoch is None:
@@ -1139,7 +1139,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                 self.round_wait.watch(maybe_step_control)
                 group_info = maybe_step_control.result(self.round_wait.seconds())
                 logger.log(self.status_loglevel, f"Averaged gradients with {len(group_info)} peers")
-                took_whole = self._took_whole_result()
+                took_whole = self._round_was_whole()
                 alone = took_whole and bool(
                     getattr(self.grad_averager, "alone", None) and self.grad_averager.alone.value
                 )
@@ -1150,7 +1150,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                 self._load_averaged_gradients_into_optimizer_()
                 averaged_gradients = True
                 if self.auxiliary and took_whole:
-                    self.state_averager.step_with_next_epoch = True  # see _took_whole_result
+                    self.state_averager.step_with_next_epoch = True  # see _round_was_whole
             else:
                 logger.log(self.status_loglevel, "Skipped averaging: there are no other peers")
         except BaseException as e:
@@ -1200,7 +1200,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         own = self.dht.peer_id
         return [peer for peer, priority in declared.items() if priority >= epoch - 1 and peer != own]
 
-    def _took_whole_result(self) -> bool:
+    def _round_was_whole(self) -> bool:
         """Whether this round's whole result is in the averaged tensors (``whole_results`` moved).
 
         An auxiliary peer that took it then takes the optimizer step that ends this epoch, as every trainer of the
