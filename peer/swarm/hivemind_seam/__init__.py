@@ -93,7 +93,7 @@ Round results (``round_result``: ``RoundResultSharing``, mixed into ``LeanHiveGr
   that declared their state (hivemind's ``<prefix>.all_averagers`` key, ``declared_priorities``), checked (shapes,
   dtypes, finiteness, size; answers agree bit for bit; a norm bound), and steps with it. Uses ``allreduce_kwargs``
   (the wire compression) and ``tensor_infos``. A round is named by its group's ID (``_run_allreduce_inplace_``
-  passes it to ``_allreduce_began``) where the asker's group formed, else by its epoch.
+  passes it to ``_allreduce_began``) where the asker's group formed, then by its epoch.
 
 Pseudo-gradient averager (``PseudoGradientAverager(LeanHiveGradientAverager)``, ``--sync_mode local``)
 - ``load_accumulators_into_averager_``: writes ``shared parameters - local parameters`` (the pseudo-gradient of the

@@ -26,10 +26,11 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
   request/answer): ``{"epoch": E}`` or ``{"epoch": E, "group": digest}``. The answer is ``ok`` and then every
   tensor (in the wire compression where decoding it gives back the exact bits, else uncompressed), ``later`` while
   this peer's own round of E (of that group) still runs, ``busy`` above ``SERVE_MAX`` answers at once, ``refused``
-  to an asker that already took that round, or ``none``. An asker whose group had no other data sender (it asks
-  outside its group, below) asks for E + 1 after ``none`` and takes it only if that round was still running when it
-  asked; one that found no group does not (the others' next round is not the round it missed: a home volunteer
-  that came late for round 0 took round 1's result that way).
+  to an asker that already took that round, or ``none``. After ``none`` to a group, the asker asks for epoch E
+  (the others may have retried the epoch in a new group without it). An asker whose group had no other data sender
+  (it asks outside its group, below) asks for E + 1 after ``none`` and takes it only if that round was still running
+  when it asked; one that found no group does not (the others' next round is not the round it missed: a home
+  volunteer that came late for round 0 took round 1's result that way).
 - ``fetch_round_result`` (host) / ``_fetch_round_result`` (averager process): asks up to ``ASK`` of the given
   peers at once until ``timeout``. Each answer is untrusted: its tensors must have this peer's shapes and dtypes, be
   finite and come in at most the uncompressed size. Two or more answers must agree bit for bit (the largest group
@@ -105,7 +106,7 @@ class RoundResultSharing:
     def __init__(self, *args, **kwargs):
         # before hivemind's __init__ forks the averager process (which serves and fetches)
         self.round_epoch = mp.Value("q", -1)
-        self.ended_epoch = mp.Value("q", -1)  # the round_epoch of the last all-reduce that ended, well or not
+        self.ended_epoch = mp.Value("q", -1)  # the round_epoch of the last round that ended, well or not
         self.result_epoch = mp.Value("q", -1)
         self.alone = mp.Value("b", 0)  # the last whole result was this peer's own: no other member sent data
         self.formed_epoch = mp.Value("q", -1)  # the round_epoch of the last all-reduce whose group formed
@@ -225,9 +226,7 @@ class RoundResultSharing:
             self.lock_averaged_tensors.release()
         return [self._encode(i, t) for i, t in enumerate(result)]
 
-    def _write_result(
-        self, epoch: int, group: Optional[bytes], tensors: Sequence[torch.Tensor], timeout: float
-    ) -> bool:
+    def _write_result(self, epoch: int, tensors: Sequence[torch.Tensor], timeout: float) -> bool:
         """(an executor thread) Overwrite the averaged tensors with a fetched result, unless they stay locked
         (this peer's own all-reduce still runs: hivemind holds the lock for its whole length) beyond ``timeout``."""
         if not self.lock_averaged_tensors.acquire(timeout=max(timeout, 0.0)):
@@ -235,7 +234,7 @@ class RoundResultSharing:
         try:
             for target, value in zip(self._averaged_tensors, tensors):
                 target.copy_(value)
-            self._result_group = group  # served on, under the name it was taken by
+            self._result_group = None  # served on by its epoch (answers may have come by group or by epoch)
             self.result_epoch.value = epoch
             return True
         finally:
@@ -332,9 +331,7 @@ class RoundResultSharing:
             return None
         used, tensors = chosen
         remaining = deadline - time.monotonic()
-        written = await asyncio.get_event_loop().run_in_executor(
-            None, self._write_result, epoch, round_.group, tensors, remaining
-        )
+        written = await asyncio.get_event_loop().run_in_executor(None, self._write_result, epoch, tensors, remaining)
         if not written:
             logger.info("Round %d's result arrived, but this peer's own all-reduce still holds its tensors", epoch)
             return None
@@ -345,6 +342,11 @@ class RoundResultSharing:
         try:
             return await self._ask_epoch(stub, round_, layout, deadline, only_running=False)
         except NotHeld:
+            if round_.group is not None:
+                # the others may have retried the epoch in a new group without this peer (hivemind retries a
+                # failed all-reduce until the step's deadline): that round's result is the epoch's
+                by_epoch = _Round(round_.epoch, None, next_if_running=False)
+                return await self._ask_epoch(stub, by_epoch, layout, deadline, only_running=False)
             if not round_.next_if_running:
                 raise
             # alone in its group: the others' round of the next epoch, if it runs right now, is the one this peer's
