@@ -1156,7 +1156,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         except BaseException as e:
             logger.log(self.status_loglevel, f"Averaging gradients failed with {repr(e)}")
         if not averaged_gradients:
-            ended = getattr(self.grad_averager, "ended_epoch", None)
+            ended = getattr(self.grad_averager, "ended_epoch", None) if maybe_step_control is not None else None
             if ended is not None:  # also a round whose group never formed: askers stop waiting for it ('later')
                 ended.value = self.grad_averager.round_epoch.value
             if maybe_step_control is not None and self._repair_from_round_result():
