@@ -10,12 +10,15 @@ import logging
 import re
 import textwrap
 from pathlib import Path
+from typing import Optional, Tuple
 
 import hivemind
 import pytest
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
+from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from peer.swarm import hivemind_seam
@@ -333,3 +336,39 @@ def test_each_group_member_declares_its_mode_in_what_matchmaking_gathers():
     gathered = [MSGPackSerializer.dumps([1.0, mode.value, b""]) for mode in AveragingMode]
     group = GroupInfo(group_id=b"g", peer_ids=tuple(PeerID(bytes([i]) * 8) for i in range(3)), gathered=gathered)
     assert sparse_wire.declared_modes(MSGPackSerializer, group) == tuple(AveragingMode)
+
+
+class _Notice(MPFuture):
+    """The averager process's cancel notice (StepControl's ``_cancel``); records whether the step read cancelled when
+    the notice was set (the averager reads the step when the notice wakes it)."""
+
+    step_cancelled_when_set: Optional[bool] = None
+
+    def set_result(self, result):
+        self.step_cancelled_when_set = self._step.cancelled()
+        super().set_result(result)
+
+
+def _step_with_notice() -> Tuple[StepControl, MPFuture, _Notice]:
+    trigger, notice = MPFuture(), _Notice()  # first: hivemind sets up its futures' backend on the first one's class
+    now = get_dht_time()
+    step = StepControl(scheduled_time=now + 60, deadline=now + 120, allow_retries=True, weight=1.0, data_for_gather=b"")
+    notice._step = step
+    step.attach(trigger, notice)
+    return step, trigger, notice
+
+
+def test_cancel_step_marks_the_step_cancelled_before_the_averager_is_told():
+    """``averaging.cancel_step``: the averager process, woken by the notice, must find the step cancelled (else its
+    matchmaking goes on and runs the all-reduce with stale tensors)."""
+    step, trigger, notice = _step_with_notice()
+    averaging.cancel_step(step)
+    assert notice.step_cancelled_when_set is True
+    assert step.cancelled() and trigger.cancelled()
+
+
+def test_hivemind_step_control_still_tells_the_averager_before_it_marks_the_step():
+    """The order ``cancel_step`` exists for; when hivemind marks the step first, ``cancel_step`` can go."""
+    step, _, notice = _step_with_notice()
+    step.cancel()
+    assert notice.step_cancelled_when_set is False and step.cancelled()

@@ -125,6 +125,43 @@ def test_a_round_is_named_by_its_group_where_the_asker_was_in_one(swarm):
     assert used is not None and torch.equal(tensor_of(stranger), result)
 
 
+class _Accumulating(DecentralizedAverager):
+    """Stands in for hivemind's GradientAverager, whose ``load_accumulators_into_averager_`` loads this peer's own
+    gradients into the averaged tensors: here they are the tensors as they are."""
+
+    def load_accumulators_into_averager_(self):
+        pass
+
+
+class _Trainer(RoundResultSharing, _PolicyAveraging, _Accumulating):
+    _same_result = True
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_that_stepped_alone_serves_its_own_gradients_as_the_round():
+    """hivemind steps a trainer that sees no other peer with its own gradients (``own_round``, set by the optimizer):
+    that is the swarm's step of the epoch, and a peer that missed the round takes it (a volunteer that joined a
+    second before the lone public trainer's round) instead of stepping with its own gradients."""
+    dhts, (lone, joiner) = start_averagers(
+        [_Trainer, _Trainer], _inputs(2), ["node", "client"], prefix="own_round", compression=BlockwiseQuantization()
+    )
+    try:
+        lone.round_epoch.value = EPOCH
+        lone.own_round = True
+        lone.load_accumulators_into_averager_()
+        assert lone.result_epoch.value == EPOCH and not lone.own_round
+        own = tensor_of(lone)
+        bound = 10 * float(own.norm())
+        used = joiner.fetch_round_result(epoch=EPOCH, candidates=[lone.peer_id], max_norm=bound, timeout=20)
+        assert used == [lone.peer_id] and torch.equal(tensor_of(joiner), own)
+
+        # its next round's gradients replace them: no longer served
+        lone.load_accumulators_into_averager_()
+        assert lone.result_epoch.value == -1
+    finally:
+        shut_down([lone, joiner, *dhts])
+
+
 @pytest.mark.parametrize("size", [524_288, 65_536, 12_293])
 def test_a_result_of_8_bit_parts_travels_in_its_own_codes_bit_for_bit(size):
     """hivemind's blockwise codec does not give back the same bits when its decoding is quantized again;

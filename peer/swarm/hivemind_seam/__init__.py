@@ -110,7 +110,11 @@ Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
   it also flags ``missed_round`` so that the trainer downloads the swarm's state (peer.strategies).
   ``_begin_averaging_gradients`` (private) flags it too when hivemind began no round because its tracker listed no
   other peer, in the epoch right after a download (the tracker may not list the donors yet); it also tells the
-  gradient averager the epoch of the round it begins (``round_epoch``, round_result.py).
+  gradient averager the epoch of the round it begins (``round_epoch``, round_result.py). Where hivemind steps with a
+  trainer's own gradients because no other peer reports progress, it cancels the pre-scheduled round itself
+  (``cancel_step``: the step marked cancelled before the averager process is told; hivemind's
+  ``StepControl.cancel`` does it the other way round, and a round whose group formed at that moment ran with stale
+  tensors) and tells the gradient averager that the gradients it loads next are the swarm's step (``own_round``).
 - ``_average_gradients_and_load_into_optimizer`` (private): hivemind's, timed as the ``grad_wait`` phase, waiting
   ``round_wait.seconds()`` (at least averaging_timeout, longer once rounds proved slower: peer.swarm.round_wait)
   instead of averaging_timeout, and the round's outcome (``timing.round_outcome``) reported to the round observers.

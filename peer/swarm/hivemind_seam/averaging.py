@@ -16,6 +16,7 @@ from typing import AsyncIterator, Dict, FrozenSet, List, Optional, Sequence, Tup
 import hivemind
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
@@ -1096,9 +1097,18 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         super()._load_local_gradients_into_optimizer()
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
-        round_epoch = getattr(self.grad_averager, "round_epoch", None)
+        averager = self.grad_averager
+        round_epoch = getattr(averager, "round_epoch", None)
         if round_epoch is not None:  # the round this epoch's result belongs to (round_result.py)
             round_epoch.value = self.local_epoch
+        if not self.auxiliary and self.tracker.global_progress.num_peers <= 1:
+            # hivemind steps with this peer's own gradients: no other peer reports progress
+            control = self.scheduled_grads
+            if control is not None and not control.done() and not control.triggered:
+                cancel_step(control)
+                self.scheduled_grads = None
+            if hasattr(averager, "own_round") and not self._just_downloaded():
+                averager.own_round = True  # the swarm's step of this epoch: served to peers that missed it
         began = super()._begin_averaging_gradients(grad_scaler)
         if not began and not self.auxiliary and self._just_downloaded():
             # hivemind saw no other peer and steps with this peer's gradients alone; right after a download the
@@ -1155,14 +1165,16 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                 logger.log(self.status_loglevel, "Skipped averaging: there are no other peers")
         except BaseException as e:
             logger.log(self.status_loglevel, f"Averaging gradients failed with {repr(e)}")
-        if not averaged_gradients:
-            ended = getattr(self.grad_averager, "ended_epoch", None) if maybe_step_control is not None else None
-            if ended is not None:  # also a round whose group never formed: askers stop waiting for it ('later')
-                ended.value = self.grad_averager.round_epoch.value
-            if maybe_step_control is not None and self._repair_from_round_result():
+        if averaged_gradients:
+            return
+        if maybe_step_control is not None:  # hivemind began a round, which ended without a result
+            round_failed = getattr(self.grad_averager, "round_failed", None)
+            if round_failed is not None:
+                round_failed()
+            if self._repair_from_round_result():
                 self._load_averaged_gradients_into_optimizer_()
-            else:
-                self._load_local_gradients_into_optimizer()
+                return
+        self._load_local_gradients_into_optimizer()
 
     def _repair_from_round_result(self, outside_group: bool = False) -> bool:
         """A trainer whose round failed (or kept some of its own values) while other peers took the round's whole
@@ -1310,6 +1322,17 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         was applied."""
         self.load_state_from_peers(only_from=only_from)
         return self.state_averager.state_arrived()
+
+
+def cancel_step(control: StepControl) -> None:
+    """Cancel a pre-scheduled round that was not triggered, the step itself first. hivemind's ``StepControl.cancel``
+    tells the averager process (cancels the trigger, sets the cancel notice) before it marks the step cancelled; an
+    averager that read the step between the two went on with its matchmaking, and when a group formed it found the
+    trigger done (cancelled) and ran the all-reduce with this peer's stale averaged tensors. On the home testbed a
+    public trainer that saw no other peer yet stepped alone while its cancelled round ran with two volunteers who had
+    just joined: one of them stepped with that mix and stayed 0.02 apart to the end of the run."""
+    MPFuture.cancel(control)
+    control.cancel()  # hivemind's: the trigger, then the averager's notice
 
 
 def download_epoch_bound(tracker: ProgressTracker, local_epoch: int) -> Optional[int]:

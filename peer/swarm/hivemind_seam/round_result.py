@@ -16,7 +16,10 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
 - ``round_epoch`` (set by the host when it begins a round) and ``result_epoch`` (set in the averager process when
   a ``same_result`` round's whole result was copied in, ``_took_whole_result``; cleared by the host whenever the
   averaged tensors are overwritten, ``load_accumulators_into_averager_``): the averaged tensors hold the result of
-  round ``result_epoch``.
+  round ``result_epoch``. A trainer that hivemind stepped with its own gradients because it saw no other peer
+  (``own_round``, set by the optimizer) holds those as its round's result: they are the swarm's step of that epoch
+  (a volunteer that joined a second before the round, alone in its group or without one, takes the step the lone
+  public trainer took instead of its own).
 - ``formed_epoch`` / ``formed_group`` (set in the averager process when an all-reduce begins, ``_allreduce_began``):
   the ``round_epoch`` of the last round whose group formed, and that group's ID (its SHA-256, ``group_digest``).
   A round is named by its group when the asker was in one: every member of a group knows its ID, while epoch labels
@@ -112,7 +115,10 @@ class RoundResultSharing:
         self.formed_epoch = mp.Value("q", -1)  # the round_epoch of the last all-reduce whose group formed
         self.formed_group = mp.Array("c", GROUP_DIGEST)  # that group's group_digest
         self._running_group: Optional[bytes] = None  # (averager process) the digest of the group averaging now
-        self._result_group: Optional[bytes] = None  # (averager process) the digest of the held result's group
+        self._result_group: Optional[Tuple[int, bytes]] = None
+        """(averager process) The held result's round and group digest (a result held by epoch has none)."""
+        self.own_round = False
+        """(host) The next gradients loaded are this peer's own step for the swarm: it saw no other peer."""
         self._last_group: frozenset = frozenset()  # (averager process) the members of the last whole-result round
         self.local_norm: Optional[float] = None
         """Norm of this peer's own averaged gradients as last loaded for a round (host process)."""
@@ -135,13 +141,17 @@ class RoundResultSharing:
         if getattr(self, "local_times_accumulated", 0):
             with self.get_tensors() as averaged:
                 self.local_norm = float(torch.linalg.vector_norm(torch.stack([t.float().norm() for t in averaged])))
+        if self.own_round:
+            self.own_round = False
+            if self.shares_round_results:
+                self.result_epoch.value = self.round_epoch.value
 
     def _took_whole_result(self, group, alone: bool) -> None:
         """(averager process) A ``same_result`` round's whole result was just copied in. It is served even when
         nobody else of the group sent data (a public trainer whose clients all missed the round took the swarm's
         only round)."""
         self._last_group, self.alone.value = frozenset(group), alone
-        self._result_group = self._running_group
+        self._result_group = (self.round_epoch.value, self._running_group)
         self.result_epoch.value = self.round_epoch.value
 
     def _allreduce_began(self, group_id: bytes) -> None:
@@ -150,6 +160,11 @@ class RoundResultSharing:
         self._running_group = digest
         self.formed_group.raw = digest
         self.formed_epoch.value = self.round_epoch.value
+
+    def round_failed(self) -> None:
+        """(host process) This peer's round of ``round_epoch`` ended without a result, its group never formed
+        included: askers stop waiting for it (``later``)."""
+        self.ended_epoch.value = self.round_epoch.value
 
     def _allreduce_ended(self) -> None:
         """(averager process) This peer's all-reduce of ``round_epoch`` ended, with or without a result."""
@@ -167,7 +182,7 @@ class RoundResultSharing:
         if not self.shares_round_results:
             return "none"
         if group is not None:
-            if held < 0 or self._result_group != group:
+            if held < 0 or self._result_group != (held, group):
                 return "later" if group == self._running_group else "none"
         elif epoch != held:
             running = epoch == self.round_epoch.value and epoch != self.ended_epoch.value
@@ -219,7 +234,7 @@ class RoundResultSharing:
         if not self.lock_averaged_tensors.acquire(timeout=LOCK_WAIT):
             return None
         try:
-            if self.result_epoch.value != epoch or (group is not None and self._result_group != group):
+            if self.result_epoch.value != epoch or (group is not None and self._result_group != (epoch, group)):
                 return None
             result = [t.detach().clone() for t in self._averaged_tensors]
         finally:
