@@ -380,8 +380,9 @@ class _PolicyAveraging:
         self.policy = policy  # before hivemind's __init__, which forks the averager process
         self.whole_results = mp.Value("q", 0)
         """Rounds (``same_result`` ones: gradients in sync mode) whose result this averager copied into every one of
-        its averaged tensors, with no part kept local (a failed reducer, NaN/inf values, the two-peer bound); shared
-        with the averager process. An auxiliary peer takes the optimizer step of such a round
+        its averaged tensors, with no part kept local (a failed reducer, NaN/inf values, the two-peer bound), or in
+        which no other member sent data (its own gradients are then the result, kept parts included); shared with the
+        averager process. An auxiliary peer takes the optimizer step of such a round
         (``LeanHiveOptimizer._round_was_whole``)."""
         super().__init__(*args, **kwargs)
 
@@ -462,12 +463,16 @@ class _PolicyAveraging:
                 # values: hivemind calls that a round, and it would be counted as one taken part in
                 raise AllreduceException("no reducer of the group averaged this peer's parts")
             whole = received == len(tensors) and not (refused or bounded or container.failed_size)
-            if whole and runner.same_result:  # the group's very bits (not own + delta, as in local mode)
-                with self.whole_results.get_lock():
-                    self.whole_results.value += 1
+            if runner.same_result:  # the group's very bits (not own + delta, as in local mode)
                 modes = declared_modes(self.serializer, group_info)
                 others = [p for p, m in zip(group_info.peer_ids, modes) if p != self.peer_id and m != AveragingMode.AUX]
-                self._took_whole_result(group_info.peer_ids, alone=not others)
+                # no other member sent data: every part, averaged or kept, is this peer's own gradient, and that is
+                # its round's result even where a reducer failed (an assisting aux's own part came late, "received
+                # 56.9% results"; a client that found no group then had no result to take and stepped apart)
+                if whole or not others:
+                    with self.whole_results.get_lock():
+                        self.whole_results.value += 1
+                    self._took_whole_result(group_info.peer_ids, alone=not others)
             if refused:
                 logger.warning("Averaging: received %d NaN/inf averaged values; kept the local values there", refused)
             if bounded:
