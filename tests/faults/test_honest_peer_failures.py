@@ -367,29 +367,6 @@ def test_an_anchoring_aux_record_votes_only_while_no_serving_trainer_reports(tmp
         dht.shutdown()
 
 
-def test_a_tracker_looks_again_soon_while_no_peer_has_measured_its_throughput():
-    """Peers before their first step report hivemind's ~0 samples/s: the ETA is unknown, not far. hivemind looked
-    again only after max_refresh_period (10 s), and an aux peer that assists client trainers saw their first two
-    rounds end that late: they failed for want of a reducer (home-network testbed, scenario a)."""
-    import hivemind
-    from hivemind.utils import get_dht_time
-
-    from peer.swarm.hivemind_seam import LeanHiveProgressTracker
-
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        aux = LeanHiveProgressTracker(dht, "refresh_run", 10_000, default_refresh_period=1.0, start=False)
-        unmeasured = _progress_record(epoch=0, samples=16, samples_per_second=1e-20, client_mode=True)
-        progress = aux._parse_swarm_progress_data({b"client": unmeasured})
-        assert progress.next_fetch_time - get_dht_time() <= 1.0
-        # a measured throughput with most of the epoch to go: hivemind's own schedule (its longest wait)
-        measured = _progress_record(epoch=0, samples=16, samples_per_second=10.0, client_mode=True)
-        progress = aux._parse_swarm_progress_data({b"client": measured})
-        assert progress.next_fetch_time - get_dht_time() > 5.0
-    finally:
-        dht.shutdown()
-
-
 def test_a_client_ends_no_epoch_alone_and_counts_its_samples_as_the_others_do(tmp_path):
     """A client-mode joiner of a local-mode swarm started before the only serving trainer had reported (hivemind
     publishes a trainer's progress after its first step) and ended four rounds on its own samples; nobody can

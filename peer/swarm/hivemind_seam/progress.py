@@ -234,11 +234,6 @@ class LeanHiveProgressTracker(ProgressTracker):
             self.max_refresh_period,
             max(self.min_refresh_period, estimated_time_to_next_epoch * num_peers / expected_max_peers),
         )
-        if not any(rate > MIN_MEASURED_RATE for rate in rates):
-            # nobody has measured a throughput yet (peers before their first step): the ETA is unknown, not far.
-            # hivemind then looked again only after max_refresh_period, and an aux peer that assists client trainers
-            # saw their first two rounds end 10 s late: no reducer, and those rounds failed (home testbed, a)
-            time_to_next_fetch = min(time_to_next_fetch, self.default_refresh_period)
         logger.log(
             self.status_loglevel,
             f"{self.prefix} accumulated {total_samples_accumulated} samples for epoch #{global_epoch} from "
