@@ -147,7 +147,7 @@ def test_a_trainer_that_stepped_alone_serves_its_own_gradients_as_the_round():
     )
     try:
         lone.round_epoch.value = EPOCH
-        lone.own_round = True
+        lone.stepping_alone()
         lone.load_accumulators_into_averager_()
         assert lone.result_epoch.value == EPOCH and not lone.own_round
         own = tensor_of(lone)

@@ -1112,8 +1112,9 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             if control is not None and not control.done() and not control.triggered:
                 cancel_step(control)
                 self.scheduled_grads = None
-            if hasattr(averager, "own_round") and not self._just_downloaded():
-                averager.own_round = True  # the swarm's step of this epoch: served to peers that missed it
+            stepping_alone = getattr(averager, "stepping_alone", None)
+            if stepping_alone is not None and not self._just_downloaded():
+                stepping_alone()  # the swarm's step of this epoch: served to peers that missed it
         began = super()._begin_averaging_gradients(grad_scaler)
         if not began and not self.auxiliary and self._just_downloaded():
             # hivemind saw no other peer and steps with this peer's gradients alone; right after a download the

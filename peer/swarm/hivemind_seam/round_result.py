@@ -161,6 +161,11 @@ class RoundResultSharing:
         self.formed_group.raw = digest
         self.formed_epoch.value = self.round_epoch.value
 
+    def stepping_alone(self) -> None:
+        """(host process) hivemind steps this trainer with its own gradients (it saw no other peer): the gradients
+        loaded next are the swarm's step of ``round_epoch`` (``own_round``)."""
+        self.own_round = True
+
     def round_failed(self) -> None:
         """(host process) This peer's round of ``round_epoch`` ended without a result, its group never formed
         included: askers stop waiting for it (``later``)."""
