@@ -5,6 +5,8 @@ different result (well formed, plausible in size)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -123,6 +125,63 @@ def test_a_round_is_named_by_its_group_where_the_asker_was_in_one(swarm):
     stranger.formed_group.raw, stranger.formed_epoch.value = bytes(GROUP_DIGEST), EPOCH
     used = stranger.fetch_round_result(epoch=EPOCH, candidates=peers, max_norm=10 * norm, timeout=20)
     assert used is not None and torch.equal(tensor_of(stranger), result)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_alone_in_its_group_takes_the_round_running_under_the_next_label(swarm):
+    """A peer whose group had no other data sender (it came late; an assisting aux led a second group) asks outside
+    its group. Under its own label the others hold nothing, and their round of the next label counts only while it
+    runs when asked: then it was the round this peer's ran beside, and this peer's label lagged one behind. It holds
+    the result as that round (``took_next``: the optimizer moves its epoch on by one)."""
+    honest, *_, lagging, late = swarm
+    result = tensor_of(honest)
+    norm = float(result.norm())
+    # honest's round EPOCH still runs: it answers "later" until its result is in
+    honest.result_epoch.value, honest.round_epoch.value, honest.ended_epoch.value = -1, EPOCH, EPOCH - 1
+    timer = threading.Timer(1.0, lambda: setattr(honest.result_epoch, "value", EPOCH))
+    timer.start()
+    try:
+        used = lagging.fetch_round_result(
+            epoch=EPOCH - 1, candidates=[honest.peer_id], max_norm=10 * norm, timeout=20, outside_group=True
+        )
+    finally:
+        timer.join()
+    assert used == [honest.peer_id] and torch.equal(tensor_of(lagging), result)
+    assert lagging.took_next.value == 1 and lagging.result_epoch.value == EPOCH  # served on as round EPOCH
+
+    # a round of the next label that was over when asked is another round than the one this peer missed
+    honest.ended_epoch.value = EPOCH
+    before = tensor_of(late)
+    used = late.fetch_round_result(
+        epoch=EPOCH - 1, candidates=[honest.peer_id], max_norm=10 * norm, timeout=5, outside_group=True
+    )
+    assert used is None and torch.equal(tensor_of(late), before) and late.took_next.value == 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "modes, unconfirmed",
+    [(["aux", "client", "client"], [1, 1]), (["node", "client", "client"], [0, 0])],
+    ids=["clients_and_an_aux", "with_a_serving_trainer"],
+)
+def test_a_round_without_a_serving_trainer_is_checked_against_the_serving_trainers(modes, unconfirmed):
+    """A group of clients and an assisting aux holds no peer that serves its state: its whole result is the swarm's
+    round only if no serving trainer took that round elsewhere, so its clients ask them (``unconfirmed``; volunteers
+    that joined a second before their donor's round ended ran it among themselves while the donor stepped alone).
+    With a serving trainer in the group its result is the swarm's."""
+    inputs = [torch.zeros(SIZE) if mode == "aux" else tensor for tensor, mode in zip(_inputs(3), modes)]
+    dhts, averagers = start_averagers(
+        [_Averager] * 3, inputs, modes, prefix="unconfirmed", compression=BlockwiseQuantization()
+    )
+    try:
+        for averager in averagers:
+            averager.round_epoch.value = EPOCH
+        average_once(averagers)
+        assert [averager.result_epoch.value for averager in averagers] == [EPOCH] * 3
+        clients = [averager for averager, mode in zip(averagers, modes) if mode == "client"]
+        assert [averager.unconfirmed.value for averager in clients] == unconfirmed
+    finally:
+        shut_down(averagers + dhts)
 
 
 class _Accumulating(DecentralizedAverager):

@@ -311,6 +311,13 @@ OVERRIDDEN_METHODS = [
         "(self, peer_id: hivemind.p2p.p2p_daemon_bindings.datastructures.PeerID)",
     ),
     (AllReduceRunner, "_handle_missing_senders", "(self)"),
+    # an auxiliary reducer's senders' clock starts with the first sender (BoundedAllReduceRunner.first_sender_started)
+    (
+        AllReduceRunner,
+        "rpc_aggregate_part",
+        "(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: hivemind.p2p.p2p_daemon.P2PContext) "
+        "-> AsyncIterator[averaging_pb2.AveragingData]",
+    ),
     (
         AllReduceRunner,
         "_generate_input_for_peer",
@@ -386,6 +393,9 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.optim.progress_tracker", "ProgressTracker", "_local_public_key"),
     ("hivemind.optim.progress_tracker", "ProgressTracker", "metadata_expiration"),
     ("hivemind.optim.progress_tracker", "ProgressTracker", "performance_ema"),
+    # a trainer whose epoch label lagged one behind the round it took catches up (_repair_from_round_result)
+    ("hivemind.optim.state_averager", "TrainingStateAverager", "local_epoch"),
+    ("hivemind.optim.state_averager", "TrainingStateAverager", "lock_optimizer"),
     ("hivemind.dht.protocol", "DHTProtocol", "IS_REGULAR_VALUE"),
     ("hivemind.optim.state_averager", "TrainingStateAverager", "reuse_tensors"),
     ("hivemind.averaging.averager", "DecentralizedAverager", "_matchmaking"),

@@ -149,16 +149,35 @@ class BoundedAllReduceRunner(AllReduceRunner):
         # (part, compression info) for each peer's shard, kept here: the container drops them when it is finalized
         self._parts_by_peer = [list(parts) for parts in self.tensor_part_container._input_parts_by_peer]
         self._encoded_averages: Dict[int, asyncio.Future] = {}
+        self.first_sender_started = asyncio.Event()  # a sender's stream arrived (rpc_aggregate_part)
+
+    async def rpc_aggregate_part(self, stream, context):
+        self.first_sender_started.set()
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
 
     async def _handle_missing_senders(self):
-        """hivemind's, except that a client-mode sender gets twice ``sender_timeout`` to start.
+        """hivemind's, except that a client-mode sender gets twice ``sender_timeout`` to start, and that an
+        auxiliary reducer starts the senders' clock when the first of them starts.
 
         A sender counts as started once its first part arrived (hivemind's averager reads it before the runner sees
         the stream), and a home client's first part crosses a 10 Mbit/s uplink it shares with its other reducers: on
         the home testbed a public trainer (sender_timeout 1 s) averaged without a volunteer that had begun 70 ms
-        after it, 1.06 s after its own start, and the volunteer took that reducer's parts as its own."""
+        after it, 1.06 s after its own start, and the volunteer took that reducer's parts as its own.
+
+        An auxiliary peer has no trigger of its own: its runner starts when the group forms, a trainer's when the
+        trainer's epoch ends. A pre-scheduled group that formed early (the swarm's ETA right after volunteers joined
+        is a guess) left an assisting aux waiting 2 s from the group's forming, then banning every trainer about half
+        a second before they sent (home testbed: "Reducer: received 67.9% of input tensors", and three trainers that
+        each stepped with a different mix). It waits up to ``reducer_timeout`` for the first sender, then as a
+        trainer does."""
         if self.sender_timeout is None:
             return await super()._handle_missing_senders()
+        if self.peer_id not in self.sender_peer_ids and self.reducer_timeout is not None:
+            try:
+                await asyncio.wait_for(self.first_sender_started.wait(), self.reducer_timeout)
+            except asyncio.TimeoutError:
+                pass  # nobody started: the senders are banned below, as hivemind would
         for round_index in range(CLIENT_START_TIMEOUTS):
             try:
                 await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
@@ -472,7 +491,12 @@ class _PolicyAveraging:
                 if whole or not others:
                     with self.whole_results.get_lock():
                         self.whole_results.value += 1
-                    self._took_whole_result(group_info.peer_ids, alone=not others)
+                    # a group where nobody serves its state (clients and an aux) is the swarm's round only if no
+                    # serving trainer took that round elsewhere: volunteers that downloaded the state a second
+                    # before their donor's round ended ran that round among themselves with the aux, while the
+                    # donor, which did not see them yet, stepped alone (home testbed b: 0.04 apart from round 1 on)
+                    serving = any(m == AveragingMode.NODE for m in modes)
+                    self._took_whole_result(group_info.peer_ids, unconfirmed=not others or not serving)
             if refused:
                 logger.warning("Averaging: received %d NaN/inf averaged values; kept the local values there", refused)
             if bounded:
@@ -485,9 +509,11 @@ class _PolicyAveraging:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
 
-    def _took_whole_result(self, group: Sequence[PeerID], alone: bool) -> None:
-        """(averager process) A ``same_result`` round's whole result was just copied in (round_result.py); ``alone``:
-        no other member of the ``group`` sent data (this peer's own gradients, or an aux's zeros)."""
+    def _took_whole_result(self, group: Sequence[PeerID], unconfirmed: bool) -> None:
+        """(averager process) A ``same_result`` round's whole result was just copied in (round_result.py);
+        ``unconfirmed``: no other member of the ``group`` sent data (this peer's own gradients, or an aux's zeros), or
+        no member serves its state (a group of clients and an aux): the serving trainers outside it may hold the
+        swarm's round."""
 
     def _allreduce_began(self, group_id: bytes) -> None:
         """(averager process) An all-reduce of this averager's group ``group_id`` begins (its group formed)."""
@@ -1156,13 +1182,14 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                 group_info = maybe_step_control.result(self.round_wait.seconds())
                 logger.log(self.status_loglevel, f"Averaged gradients with {len(group_info)} peers")
                 took_whole = self._round_was_whole()
-                alone = took_whole and bool(
-                    getattr(self.grad_averager, "alone", None) and self.grad_averager.alone.value
+                unconfirmed = took_whole and bool(
+                    getattr(self.grad_averager, "unconfirmed", None) and self.grad_averager.unconfirmed.value
                 )
-                if (alone or not took_whole) and not self.auxiliary:
+                if (unconfirmed or not took_whole) and not self.auxiliary:
                     # some parts kept this peer's own values (a reducer failed), or its group had no other data (it
-                    # came late, and an assisting aux led a second group): the others' round is the swarm's
-                    self._repair_from_round_result(outside_group=alone)
+                    # came late, and an assisting aux led a second group) or no serving trainer: the serving
+                    # trainers' round is the swarm's
+                    self._repair_from_round_result(outside_group=unconfirmed)
                 self._load_averaged_gradients_into_optimizer_()
                 averaged_gradients = True
                 if self.auxiliary and took_whole:
@@ -1211,6 +1238,13 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             time.monotonic() - began,
             ", ".join(map(str, used)),
         )
+        if averager.took_next.value:
+            # the others' round of the next epoch (round_result.py): this peer took every round so far, one label
+            # early. Left so, it came to each epoch's end after the others' round and waited the whole next epoch
+            # for it, one local step per epoch (home testbed b: compute share 0.02 to 0.06 for 15 epochs on end)
+            with self.state_averager.lock_optimizer:
+                self.state_averager.local_epoch += 1
+            logger.info("It was the swarm's round %d: this peer's epoch is now the swarm's", epoch + 1)
         return True
 
     def _round_result_candidates(self, epoch: int) -> List[PeerID]:

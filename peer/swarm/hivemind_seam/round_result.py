@@ -30,10 +30,11 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
   tensor (in the wire compression where decoding it gives back the exact bits, else uncompressed), ``later`` while
   this peer's own round of E (of that group) still runs, ``busy`` above ``SERVE_MAX`` answers at once, ``refused``
   to an asker that already took that round, or ``none``. After ``none`` to a group, the asker asks for epoch E
-  (the others may have retried the epoch in a new group without it). An asker whose group had no other data sender
-  (it asks outside its group, below) asks for E + 1 after ``none`` and takes it only if that round was still running
-  when it asked; one that found no group does not (the others' next round is not the round it missed: a home
-  volunteer that came late for round 0 took round 1's result that way).
+  (the others may have retried the epoch in a new group without it). An asker whose group had no other data sender,
+  or no member that serves its state (``unconfirmed``: it asks outside its group, below), asks for E + 1 after
+  ``none`` and takes it only if that round was still running when it asked (``took_next``: its epoch label lagged
+  one behind, and the optimizer moves it on by one); one that found no group does not (the others' next round is
+  not the round it missed: a home volunteer that came late for round 0 took round 1's result that way).
 - ``fetch_round_result`` (host) / ``_fetch_round_result`` (averager process): asks up to ``ASK`` of the given
   peers at once until ``timeout``. Each answer is untrusted: its tensors must have this peer's shapes and dtypes, be
   finite and come in at most the uncompressed size. Two or more answers must agree bit for bit (the largest group
@@ -111,7 +112,10 @@ class RoundResultSharing:
         self.round_epoch = mp.Value("q", -1)
         self.ended_epoch = mp.Value("q", -1)  # the round_epoch of the last round that ended, well or not
         self.result_epoch = mp.Value("q", -1)
-        self.alone = mp.Value("b", 0)  # the last whole result was this peer's own: no other member sent data
+        self.unconfirmed = mp.Value("b", 0)
+        """The last whole result may not be the swarm's: no other member sent data, or none serves its state."""
+        self.took_next = mp.Value("b", 0)
+        """The last fetched result was the others' round of the next epoch: this peer's label lagged one behind."""
         self.formed_epoch = mp.Value("q", -1)  # the round_epoch of the last all-reduce whose group formed
         self.formed_group = mp.Array("c", GROUP_DIGEST)  # that group's group_digest
         self._running_group: Optional[bytes] = None  # (averager process) the digest of the group averaging now
@@ -146,11 +150,11 @@ class RoundResultSharing:
             if self.shares_round_results:
                 self.result_epoch.value = self.round_epoch.value
 
-    def _took_whole_result(self, group, alone: bool) -> None:
+    def _took_whole_result(self, group, unconfirmed: bool) -> None:
         """(averager process) A ``same_result`` round's whole result was just copied in. It is served even when
         nobody else of the group sent data (a public trainer whose clients all missed the round took the swarm's
         only round)."""
-        self._last_group, self.alone.value = frozenset(group), alone
+        self._last_group, self.unconfirmed.value = frozenset(group), unconfirmed
         self._result_group = (self.round_epoch.value, self._running_group)
         self.result_epoch.value = self.round_epoch.value
 
@@ -282,7 +286,8 @@ class RoundResultSharing:
     ) -> Optional[List[PeerID]]:
         """(host) Ask ``candidates`` for round ``epoch``'s result; on success it is in the averaged tensors and the
         peers whose answers were used are returned, else None (nothing changed). ``outside_group``: not the members
-        of this peer's last round (it was alone in its group: the others took the swarm's round elsewhere)."""
+        of this peer's last round (it was alone in its group, or no member serves its state: the serving trainers
+        may have taken the swarm's round elsewhere)."""
         future = MPFuture()
         ask = dict(future=future, epoch=epoch, candidates=list(candidates), max_norm=max_norm, timeout=timeout)
         ask["outside_group"] = outside_group
@@ -303,6 +308,7 @@ class RoundResultSharing:
             # a round whose group formed is named by it; alone in its group, the round asked for is the others'
             group = bytes(self.formed_group.raw) if self.formed_epoch.value == epoch and not outside_group else None
             round_ = _Round(epoch, group, next_if_running=outside_group)
+            self.took_next.value = 0
             used = await self._fetch_agreed(round_, candidates, max_norm, time.monotonic() + timeout)
         except Exception as e:
             logger.warning("Fetching round %d's result failed: %r", epoch, e)
@@ -320,7 +326,10 @@ class RoundResultSharing:
         layout = self._layout()
         peers = [peer for peer in candidates if peer != self.peer_id]
         random.shuffle(peers)  # askers spread over the peers that took the round
-        tasks = {asyncio.create_task(self._ask_result(peer, round_, layout, deadline)): peer for peer in peers[:ASK]}
+        ahead: set = set()  # peers whose answer was the next epoch's round (``_ask_result``)
+        tasks = {
+            asyncio.create_task(self._ask_result(peer, round_, layout, deadline, ahead)): peer for peer in peers[:ASK]
+        }
         answers: List[Tuple[PeerID, List[torch.Tensor]]] = []
         refusals = []
         try:
@@ -350,14 +359,19 @@ class RoundResultSharing:
             )
             return None
         used, tensors = chosen
+        took_next = used[0] in ahead
         remaining = deadline - time.monotonic()
-        written = await asyncio.get_event_loop().run_in_executor(None, self._write_result, epoch, tensors, remaining)
+        held = epoch + 1 if took_next else epoch  # served on as the round it is
+        written = await asyncio.get_event_loop().run_in_executor(None, self._write_result, held, tensors, remaining)
         if not written:
             logger.info("Round %d's result arrived, but this peer's own all-reduce still holds its tensors", epoch)
             return None
+        self.took_next.value = int(took_next)
         return used
 
-    async def _ask_result(self, peer: PeerID, round_: "_Round", layout, deadline: float) -> List[torch.Tensor]:
+    async def _ask_result(
+        self, peer: PeerID, round_: "_Round", layout, deadline: float, ahead: set
+    ) -> List[torch.Tensor]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         try:
             return await self._ask_epoch(stub, round_, layout, deadline, only_running=False)
@@ -372,7 +386,9 @@ class RoundResultSharing:
             # alone in its group: the others' round of the next epoch, if it runs right now, is the one this peer's
             # round ran beside (its label lagged one behind theirs). One already over, or not begun, is not taken.
             following = _Round(round_.epoch + 1, None, next_if_running=False)
-            return await self._ask_epoch(stub, following, layout, deadline, only_running=True)
+            tensors = await self._ask_epoch(stub, following, layout, deadline, only_running=True)
+            ahead.add(peer)
+            return tensors
 
     async def _ask_epoch(
         self, stub, round_: "_Round", layout, deadline: float, only_running: bool
