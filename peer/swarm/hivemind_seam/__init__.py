@@ -311,13 +311,6 @@ OVERRIDDEN_METHODS = [
         "(self, peer_id: hivemind.p2p.p2p_daemon_bindings.datastructures.PeerID)",
     ),
     (AllReduceRunner, "_handle_missing_senders", "(self)"),
-    # an auxiliary reducer's senders' clock starts with the first sender (BoundedAllReduceRunner.first_sender_started)
-    (
-        AllReduceRunner,
-        "rpc_aggregate_part",
-        "(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: hivemind.p2p.p2p_daemon.P2PContext) "
-        "-> AsyncIterator[averaging_pb2.AveragingData]",
-    ),
     (
         AllReduceRunner,
         "_generate_input_for_peer",

@@ -149,35 +149,16 @@ class BoundedAllReduceRunner(AllReduceRunner):
         # (part, compression info) for each peer's shard, kept here: the container drops them when it is finalized
         self._parts_by_peer = [list(parts) for parts in self.tensor_part_container._input_parts_by_peer]
         self._encoded_averages: Dict[int, asyncio.Future] = {}
-        self.first_sender_started = asyncio.Event()  # a sender's stream arrived (rpc_aggregate_part)
-
-    async def rpc_aggregate_part(self, stream, context):
-        self.first_sender_started.set()
-        async for message in super().rpc_aggregate_part(stream, context):
-            yield message
 
     async def _handle_missing_senders(self):
-        """hivemind's, except that a client-mode sender gets twice ``sender_timeout`` to start, and that an
-        auxiliary reducer starts the senders' clock when the first of them starts.
+        """hivemind's, except that a client-mode sender gets twice ``sender_timeout`` to start.
 
         A sender counts as started once its first part arrived (hivemind's averager reads it before the runner sees
         the stream), and a home client's first part crosses a 10 Mbit/s uplink it shares with its other reducers: on
         the home testbed a public trainer (sender_timeout 1 s) averaged without a volunteer that had begun 70 ms
-        after it, 1.06 s after its own start, and the volunteer took that reducer's parts as its own.
-
-        An auxiliary peer has no trigger of its own: its runner starts when the group forms, a trainer's when the
-        trainer's epoch ends. A pre-scheduled group that formed early (the swarm's ETA right after volunteers joined
-        is a guess) left an assisting aux waiting 2 s from the group's forming, then banning every trainer about half
-        a second before they sent (home testbed: "Reducer: received 67.9% of input tensors", and three trainers that
-        each stepped with a different mix). It waits up to ``reducer_timeout`` for the first sender, then as a
-        trainer does."""
+        after it, 1.06 s after its own start, and the volunteer took that reducer's parts as its own."""
         if self.sender_timeout is None:
             return await super()._handle_missing_senders()
-        if self.peer_id not in self.sender_peer_ids and self.reducer_timeout is not None:
-            try:
-                await asyncio.wait_for(self.first_sender_started.wait(), self.reducer_timeout)
-            except asyncio.TimeoutError:
-                pass  # nobody started: the senders are banned below, as hivemind would
         for round_index in range(CLIENT_START_TIMEOUTS):
             try:
                 await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
