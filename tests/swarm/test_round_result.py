@@ -132,7 +132,7 @@ def test_a_peer_alone_in_its_group_takes_the_round_running_under_the_next_label(
     """A peer whose group had no other data sender (it came late; an assisting aux led a second group) asks outside
     its group. Under its own label the others hold nothing, and their round of the next label counts only while it
     runs when asked: then it was the round this peer's ran beside, and this peer's label lagged one behind. It holds
-    the result as that round (``took_next``: the optimizer moves its epoch on by one)."""
+    the result as that round (``result_epoch``: the optimizer moves its epoch on by one)."""
     honest, *_, lagging, late = swarm
     result = tensor_of(honest)
     norm = float(result.norm())
@@ -147,7 +147,7 @@ def test_a_peer_alone_in_its_group_takes_the_round_running_under_the_next_label(
     finally:
         timer.join()
     assert used == [honest.peer_id] and torch.equal(tensor_of(lagging), result)
-    assert lagging.took_next.value == 1 and lagging.result_epoch.value == EPOCH  # served on as round EPOCH
+    assert lagging.result_epoch.value == EPOCH  # held and served on as round EPOCH, the next label
 
     # a round of the next label that was over when asked is another round than the one this peer missed
     honest.ended_epoch.value = EPOCH
@@ -155,7 +155,7 @@ def test_a_peer_alone_in_its_group_takes_the_round_running_under_the_next_label(
     used = late.fetch_round_result(
         epoch=EPOCH - 1, candidates=[honest.peer_id], max_norm=10 * norm, timeout=5, outside_group=True
     )
-    assert used is None and torch.equal(tensor_of(late), before) and late.took_next.value == 0
+    assert used is None and torch.equal(tensor_of(late), before) and late.result_epoch.value == -1
 
 
 @pytest.mark.timeout(180)

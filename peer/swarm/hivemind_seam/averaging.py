@@ -1219,10 +1219,10 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             time.monotonic() - began,
             ", ".join(map(str, used)),
         )
-        if averager.took_next.value and self.tracker.global_epoch > self.local_epoch:
-            # the others' round of the next epoch (round_result.py): this peer took every round so far, one label
-            # early. Left so, it came to each epoch's end after the others' round and waited the whole next epoch
-            # for it, one local step per epoch (home testbed b: compute share 0.02 to 0.06 for 15 epochs on end).
+        if averager.result_epoch.value == epoch + 1 and self.tracker.global_epoch > self.local_epoch:
+            # it holds the others' round of the next epoch (round_result.py): this peer took every round so far, one
+            # label early. Left so, it came to each epoch's end after the others' round and waited the whole next
+            # epoch for it, one local step per epoch (home testbed b: compute share 0.02 to 0.06 for 15 epochs on end).
             # Only where the serving trainers' progress records say so too: an answer alone moves no epoch
             with self.state_averager.lock_optimizer:
                 self.state_averager.local_epoch += 1

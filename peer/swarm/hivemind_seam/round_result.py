@@ -32,9 +32,10 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
   to an asker that already took that round, or ``none``. After ``none`` to a group, the asker asks for epoch E
   (the others may have retried the epoch in a new group without it). An asker whose group had no other data sender,
   or no member that serves its state (``unconfirmed``: it asks outside its group, below), asks for E + 1 after
-  ``none`` and takes it only if that round was still running when it asked (``took_next``: its epoch label lagged
-  one behind, and the optimizer moves it on by one); one that found no group does not (the others' next round is
-  not the round it missed: a home volunteer that came late for round 0 took round 1's result that way).
+  ``none`` and takes it only if that round was still running when it asked (its epoch label lagged one behind: it
+  holds the result as round E + 1, ``result_epoch``, and the optimizer moves its epoch on by one); one that found no
+  group does not (the others' next round is not the round it missed: a home volunteer that came late for round 0
+  took round 1's result that way).
 - ``fetch_round_result`` (host) / ``_fetch_round_result`` (averager process): asks up to ``ASK`` of the given
   peers at once until ``timeout``. Each answer is untrusted: its tensors must have this peer's shapes and dtypes, be
   finite and come in at most the uncompressed size. Two or more answers must agree bit for bit (the largest group
@@ -114,8 +115,6 @@ class RoundResultSharing:
         self.result_epoch = mp.Value("q", -1)
         self.unconfirmed = mp.Value("b", 0)
         """The last whole result may not be the swarm's: no other member sent data, or none serves its state."""
-        self.took_next = mp.Value("b", 0)
-        """The last fetched result was the others' round of the next epoch: this peer's label lagged one behind."""
         self.formed_epoch = mp.Value("q", -1)  # the round_epoch of the last all-reduce whose group formed
         self.formed_group = mp.Array("c", GROUP_DIGEST)  # that group's group_digest
         self._running_group: Optional[bytes] = None  # (averager process) the digest of the group averaging now
@@ -308,7 +307,6 @@ class RoundResultSharing:
             # a round whose group formed is named by it; alone in its group, the round asked for is the others'
             group = bytes(self.formed_group.raw) if self.formed_epoch.value == epoch and not outside_group else None
             round_ = _Round(epoch, group, next_if_running=outside_group)
-            self.took_next.value = 0
             used = await self._fetch_agreed(round_, candidates, max_norm, time.monotonic() + timeout)
         except Exception as e:
             logger.warning("Fetching round %d's result failed: %r", epoch, e)
@@ -359,14 +357,12 @@ class RoundResultSharing:
             )
             return None
         used, tensors = chosen
-        took_next = used[0] in ahead
         remaining = deadline - time.monotonic()
-        held = epoch + 1 if took_next else epoch  # served on as the round it is
+        held = epoch + 1 if used[0] in ahead else epoch  # served on as the round it is
         written = await asyncio.get_event_loop().run_in_executor(None, self._write_result, held, tensors, remaining)
         if not written:
             logger.info("Round %d's result arrived, but this peer's own all-reduce still holds its tensors", epoch)
             return None
-        self.took_next.value = int(took_next)
         return used
 
     async def _ask_result(
