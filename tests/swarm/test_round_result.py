@@ -128,6 +128,42 @@ def test_a_round_is_named_by_its_group_where_the_asker_was_in_one(swarm):
 
 
 @pytest.mark.timeout(120)
+def test_a_late_peer_takes_the_round_it_missed_after_the_server_began_its_next_round(swarm):
+    """A server's next round overwrites its averaged tensors; the result they held is served on as its previous
+    one (``retire_result``), by epoch and by group, so a peer that asks a second late takes the round it missed, not
+    nothing and not the next round. The round before that is gone."""
+    honest, other, _, late, grouped, older, *_ = swarm
+    result = tensor_of(honest)
+    norm = float(result.norm())
+    digest = bytes(honest.formed_group.raw)
+    for server in (honest, other):  # both begin round EPOCH + 1: their own gradients replace the result
+        server.retire_result()
+        server.result_epoch.value, server.round_epoch.value, server.ended_epoch.value = -1, EPOCH + 1, EPOCH
+        with server.get_tensors() as tensors:
+            tensors[0].normal_()
+    assert honest.previous_epoch.value == EPOCH and bytes(honest.previous_group.raw) == digest
+    peers = [honest.peer_id, other.peer_id]
+
+    used = late.fetch_round_result(epoch=EPOCH, candidates=peers, max_norm=10 * norm, timeout=20, outside_group=True)
+    assert used is not None and len(used) == 2 and torch.equal(tensor_of(late), result)
+    assert late.result_epoch.value == EPOCH  # the round it missed, not the next label's
+
+    grouped.formed_group.raw, grouped.formed_epoch.value = digest, EPOCH - 1  # by its group, under a lagging label
+    used = grouped.fetch_round_result(epoch=EPOCH - 1, candidates=peers, max_norm=10 * norm, timeout=20)
+    assert used is not None and torch.equal(tensor_of(grouped), result)
+
+    # round EPOCH + 1 ends with a result; round EPOCH's is then two rounds old and no longer served
+    for server in (honest, other):
+        server.result_epoch.value = EPOCH + 1
+        server.retire_result()
+        server.result_epoch.value, server.round_epoch.value, server.ended_epoch.value = -1, EPOCH + 2, EPOCH + 1
+    assert honest.previous_epoch.value == EPOCH + 1
+    before = tensor_of(older)
+    assert older.fetch_round_result(epoch=EPOCH, candidates=peers, max_norm=10 * norm, timeout=5) is None
+    assert torch.equal(tensor_of(older), before)
+
+
+@pytest.mark.timeout(120)
 def test_a_peer_alone_in_its_group_takes_the_round_running_under_the_next_label(swarm):
     """A peer whose group had no other data sender (it came late; an assisting aux led a second group) asks outside
     its group. Under its own label the others hold nothing, and their round of the next label counts only while it

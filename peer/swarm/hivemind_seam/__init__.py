@@ -86,8 +86,11 @@ State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
 Round results (``round_result``: ``RoundResultSharing``, mixed into ``LeanHiveGradientAverager``)
 - ``load_accumulators_into_averager_`` (override, ``GradientAverager``): marks the averaged tensors as no longer
   holding a round's result and keeps the norm of this peer's own gradients.
+- ``run_in_background`` (override, ``DecentralizedAverager``): allocates the buffer of the previous round's result in
+  shared memory before hivemind forks the averager process.
 - ``rpc_round_result`` (a new RPC, hivemind's ``DownloadData`` message both ways): a peer that took a ``same_result``
-  round's whole result (``_run_allreduce_inplace_`` tells it) serves it until its next round loads its gradients.
+  round's whole result (``_run_allreduce_inplace_`` tells it) serves it until its next round loads its gradients,
+  and then as its previous result until the round after.
   The optimizer's ``_average_gradients_and_load_into_optimizer`` (below) fetches it after a failed round
   (``fetch_round_result``, through the private ``_outer_pipe``; the fetch runs in the averager process) from peers
   that declared their state (hivemind's ``<prefix>.all_averagers`` key, ``declared_priorities``), checked (shapes,
@@ -295,6 +298,11 @@ OVERRIDDEN_METHODS = [
     (GradientAverager, "__del__", "(self)"),
     # overridden by PseudoGradientAverager, and by the tests' fault entry point (tests/support/fault_trainer.py)
     (GradientAverager, "load_accumulators_into_averager_", "(self)"),
+    (
+        _DA,
+        "run_in_background",
+        "(self, await_ready: 'bool' = True, timeout: 'Optional[float]' = None) -> 'None'",
+    ),
     (TensorPartReducer, "reset_accumulators", "(self)"),
     (
         AllReduceRunner,

@@ -16,10 +16,14 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
 - ``round_epoch`` (set by the host when it begins a round) and ``result_epoch`` (set in the averager process when
   a ``same_result`` round's whole result was copied in, ``_took_whole_result``; cleared by the host whenever the
   averaged tensors are overwritten, ``load_accumulators_into_averager_``): the averaged tensors hold the result of
-  round ``result_epoch``. A trainer that hivemind stepped with its own gradients because it saw no other peer
-  (``own_round``, set by the optimizer) holds those as its round's result: they are the swarm's step of that epoch
-  (a volunteer that joined a second before the round, alone in its group or without one, takes the step the lone
-  public trainer took instead of its own).
+  round ``result_epoch`` (of group ``result_group``). Before they are overwritten, that result is copied to a
+  second buffer in shared memory and served on as round ``previous_epoch`` (``retire_result``): a peer whose round
+  failed asks a second or two after the others' round ended, and a quick server has often begun its next round by
+  then (a late home volunteer found nothing and stepped apart). This costs each sync trainer one more buffer the
+  size of its gradients in host memory. A trainer that hivemind stepped with its own gradients because it saw no
+  other peer (``own_round``, set by the optimizer) holds those as its round's result: they are the swarm's step of
+  that epoch (a volunteer that joined a second before the round, alone in its group or without one, takes the step
+  the lone public trainer took instead of its own).
 - ``formed_epoch`` / ``formed_group`` (set in the averager process when an all-reduce begins, ``_allreduce_began``):
   the ``round_epoch`` of the last round whose group formed, and that group's ID (its SHA-256, ``group_digest``).
   A round is named by its group when the asker was in one: every member of a group knows its ID, while epoch labels
@@ -82,6 +86,8 @@ LOCK_WAIT = 2.0
 """Seconds a server waits for its averaged tensors' lock before it answers ``none`` (its next round holds it)."""
 GROUP_DIGEST = 32
 """Bytes of a round's name on the wire (``group_digest``)."""
+NO_GROUP = bytes(GROUP_DIGEST)
+"""The group of a result held by its epoch only (never a ``group_digest``: that is a SHA-256)."""
 CHUNK = 1 << 20
 """Bytes per streamed message."""
 MIN_RATE = 2_500_000.0
@@ -118,8 +124,13 @@ class RoundResultSharing:
         self.formed_epoch = mp.Value("q", -1)  # the round_epoch of the last all-reduce whose group formed
         self.formed_group = mp.Array("c", GROUP_DIGEST)  # that group's group_digest
         self._running_group: Optional[bytes] = None  # (averager process) the digest of the group averaging now
-        self._result_group: Optional[Tuple[int, bytes]] = None
-        """(averager process) The held result's round and group digest (a result held by epoch has none)."""
+        self.result_group = mp.Array("c", GROUP_DIGEST)
+        """The held result's group digest; NO_GROUP for a result held by its epoch only (fetched, or an own step)."""
+        self.previous_epoch = mp.Value("q", -1)
+        self.previous_group = mp.Array("c", GROUP_DIGEST)
+        self._previous: Optional[Tuple[torch.Tensor, ...]] = None
+        """The result held before this peer's next round loaded its gradients over it (round ``previous_epoch`` of
+        ``previous_group``): a peer that comes late for a round still finds it here (``retire_result``)."""
         self.own_round = False
         """(host) The next gradients loaded are this peer's own step for the swarm: it saw no other peer."""
         self._last_group: frozenset = frozenset()  # (averager process) the members of the last whole-result round
@@ -135,8 +146,31 @@ class RoundResultSharing:
 
     # --------------------------------------------------------------------------------------- bookkeeping
 
+    def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
+        if self.shares_round_results and self._previous is None:
+            # in shared memory before hivemind forks the averager process: the host fills it, that process serves it
+            self._previous = tuple(torch.zeros_like(t, device="cpu").share_memory_() for t in self._averaged_tensors)
+        super().run_in_background(await_ready=await_ready, timeout=timeout)
+
+    @torch.no_grad()
+    def retire_result(self) -> None:
+        """(host) This peer's next round is about to overwrite its averaged tensors: the result they hold is kept as
+        the previous one. A volunteer whose round failed asks a second or two after the others' round ended, and a
+        quick server has begun its next round by then; without this it found nothing and either stepped apart or
+        took the next round's result in place of the one it missed."""
+        held = self.result_epoch.value
+        if self._previous is None or held < 0:
+            return
+        with self.lock_averaged_tensors:
+            self.previous_epoch.value = -1
+            for target, value in zip(self._previous, self._averaged_tensors):
+                target.copy_(value)
+            self.previous_group.raw = self.result_group.raw
+            self.previous_epoch.value = held
+
     @torch.no_grad()
     def load_accumulators_into_averager_(self):
+        self.retire_result()
         # before the lock hivemind's method takes (not reentrant): an asker's copy is taken under it, and one taken
         # after this line sees the result gone
         self.result_epoch.value = -1
@@ -147,6 +181,7 @@ class RoundResultSharing:
         if self.own_round:
             self.own_round = False
             if self.shares_round_results:
+                self.result_group.raw = NO_GROUP
                 self.result_epoch.value = self.round_epoch.value
 
     def _took_whole_result(self, group, unconfirmed: bool) -> None:
@@ -154,7 +189,7 @@ class RoundResultSharing:
         nobody else of the group sent data (a public trainer whose clients all missed the round took the swarm's
         only round)."""
         self._last_group, self.unconfirmed.value = frozenset(group), unconfirmed
-        self._result_group = (self.round_epoch.value, self._running_group)
+        self.result_group.raw = self._running_group or NO_GROUP
         self.result_epoch.value = self.round_epoch.value
 
     def _allreduce_began(self, group_id: bytes) -> None:
@@ -184,22 +219,36 @@ class RoundResultSharing:
     def _answer(self, **fields) -> averaging_pb2.DownloadData:
         return averaging_pb2.DownloadData(metadata=self.serializer.dumps(fields))
 
-    def _status_for(self, asker: PeerID, epoch: int, group: Optional[bytes], held: int) -> str:
-        """The answer to ``asker``'s ask for round ``epoch`` (of ``group`` if given) while the averaged tensors
-        hold round ``held``'s result (-1: none)."""
+    def _held(self) -> List["_Held"]:
+        """The results this peer can serve now: the averaged tensors' (``result_epoch``), then the previous one."""
+        return [
+            _Held(slot, epoch.value, bytes(group.raw))
+            for slot, epoch, group in (
+                ("current", self.result_epoch, self.result_group),
+                ("previous", self.previous_epoch, self.previous_group),
+            )
+            if epoch.value >= 0 and (slot == "current" or self._previous is not None)
+        ]
+
+    def _status_for(self, asker: PeerID, epoch: int, group: Optional[bytes], held: Sequence["_Held"]):
+        """The answer to ``asker``'s ask for round ``epoch`` (of ``group`` if given) while this peer holds the
+        results ``held``, and the one that answers it (None unless ``ok``)."""
         if not self.shares_round_results:
-            return "none"
+            return "none", None
         if group is not None:
-            if held < 0 or self._result_group != (held, group):
-                return "later" if group == self._running_group else "none"
-        elif epoch != held:
-            running = epoch == self.round_epoch.value and epoch != self.ended_epoch.value
-            return "later" if running else "none"
-        if self._served.get(asker) == held:
-            return "refused"
+            match = next((h for h in held if h.group != NO_GROUP and h.group == group), None)
+            if match is None:
+                return ("later" if group == self._running_group else "none"), None
+        else:
+            match = next((h for h in held if h.epoch == epoch), None)
+            if match is None:
+                running = epoch == self.round_epoch.value and epoch != self.ended_epoch.value
+                return ("later" if running else "none"), None
+        if self._served.get(asker) == match.epoch:
+            return "refused", None
         if self._serving >= SERVE_MAX:
-            return "busy"
-        return "ok"
+            return "busy", None
+        return "ok", match
 
     async def rpc_round_result(
         self, request: averaging_pb2.DownloadData, context: P2PContext
@@ -214,37 +263,37 @@ class RoundResultSharing:
         except Exception:
             yield self._answer(status="malformed")
             return
-        held = self.result_epoch.value
-        status = self._status_for(context.remote_id, epoch, group, held)
-        if status != "ok":
+        status, held = self._status_for(context.remote_id, epoch, group, self._held())
+        if held is None:
             yield self._answer(status=status)
             return
         self._serving += 1
         try:
-            encoded = await asyncio.get_event_loop().run_in_executor(None, self._encoded_result, held, group)
+            encoded = await asyncio.get_event_loop().run_in_executor(None, self._encoded_result, held)
             if encoded is None:
                 yield self._answer(status="none")
                 return
-            self._served = {peer: taken for peer, taken in self._served.items() if taken >= held - 2}
-            self._served[context.remote_id] = held
+            self._served = {peer: taken for peer, taken in self._served.items() if taken >= held.epoch - 2}
+            self._served[context.remote_id] = held.epoch
             yield self._answer(status="ok", epoch=epoch, tensors=len(encoded))
             for serialized in encoded:
                 for chunk in split_for_streaming(serialized, CHUNK):
                     yield averaging_pb2.DownloadData(tensor_part=chunk)
-            logger.info("Sent round %d's averaged gradients to %s", held, context.remote_id)
+            logger.info("Sent round %d's averaged gradients (%s) to %s", held.epoch, held.slot, context.remote_id)
         finally:
             self._serving -= 1
 
-    def _encoded_result(self, epoch: int, group: Optional[bytes]):
-        """(an executor thread) The result of round ``epoch`` (of ``group`` if given) as served (None once it was
-        overwritten, or while the averaged tensors stay locked); copied under the lock, encoded outside it, so this
-        peer's next round never waits for an asker."""
+    def _encoded_result(self, held: "_Held"):
+        """(an executor thread) The result ``held`` as served (None once it was overwritten, or while the averaged
+        tensors stay locked); copied under the lock, encoded outside it, so this peer's next round never waits for
+        an asker."""
         if not self.lock_averaged_tensors.acquire(timeout=LOCK_WAIT):
             return None
         try:
-            if self.result_epoch.value != epoch or (group is not None and self._result_group != (epoch, group)):
+            if held not in self._held():
                 return None
-            result = [t.detach().clone() for t in self._averaged_tensors]
+            source = self._averaged_tensors if held.slot == "current" else self._previous
+            result = [t.detach().clone() for t in source]
         finally:
             self.lock_averaged_tensors.release()
         return [self._encode(i, t) for i, t in enumerate(result)]
@@ -257,7 +306,7 @@ class RoundResultSharing:
         try:
             for target, value in zip(self._averaged_tensors, tensors):
                 target.copy_(value)
-            self._result_group = None  # served on by its epoch (answers may have come by group or by epoch)
+            self.result_group.raw = NO_GROUP  # served on by its epoch (answers may have come by group or by epoch)
             self.result_epoch.value = epoch
             return True
         finally:
@@ -437,6 +486,15 @@ class RoundResultSharing:
         if len(tensors) != len(layout):
             raise FetchFailed(f"it sent {len(tensors)} of the result's {len(layout)} tensors")
         return tensors
+
+
+class _Held(NamedTuple):
+    """A result a server holds: where (``current``: the averaged tensors; ``previous``: ``_previous``), its round's
+    epoch and its group's digest (``NO_GROUP``: held by its epoch only)."""
+
+    slot: str
+    epoch: int
+    group: bytes
 
 
 class _Round(NamedTuple):
