@@ -182,11 +182,11 @@ def test_a_full_disk_during_a_periodic_backup_keeps_training_and_the_previous_ba
     from peer.swarm.lifecycle import PeerControl
     from peer.swarm.network import NetworkArguments
     from peer.trainer import TrainerConfig, TrainerPeer
-    from tests.swarm.test_optimizer_state import _peer_on
+    from tests.support.optimizers import peer_on
 
     share_tensors_by_file_descriptor()
     with small_tmpfs(tmp_path / "disk", "1m") as disk:
-        dht, model, opt = _peer_on("fulldisk")
+        dht, model, opt = peer_on("fulldisk")
         try:
             config = TrainerConfig(
                 NetworkArguments(),

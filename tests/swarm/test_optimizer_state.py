@@ -4,49 +4,19 @@ applied, state downloads are retried; and the trainer's per-block fp16 step on i
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 
 from benchmarks.testbed.processes import share_tensors_by_file_descriptor
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
-
-
-def _peer_on(run_id: str, initial_peers=(), model: Optional[torch.nn.Module] = None):
-    """A DHT and a real model (a small default one) + hivemind optimizer, for in-process tests with one peer
-    or several."""
-    import hivemind
-
-    from peer.swarm.network import make_validators
-    from peer.swarm.optimizer import build_optimizer
-
-    key = hivemind.utils.crypto.RSAPrivateKey()
-    dht = hivemind.DHT(
-        start=True,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        initial_peers=list(initial_peers),
-        record_validators=make_validators(run_id, key)[0],
-    )
-    model = model if model is not None else torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    opt = build_optimizer(
-        model=model,
-        dht=dht,
-        run_id=run_id,
-        signing_key=key,
-        batch_size_per_step=4,
-        collab=CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
-        optim=OptimizerArguments(),
-        client_mode=False,
-    )
-    return dht, model, opt
+from tests.support.optimizers import peer_on
 
 
 @pytest.fixture
 def solo_optimizer(tmp_path):
     """A real model + hivemind optimizer on a one-peer DHT."""
     share_tensors_by_file_descriptor()
-    dht, model, opt = _peer_on("units")
+    dht, model, opt = peer_on("units")
     try:
         yield model, opt
     finally:
@@ -71,7 +41,7 @@ def test_trainer_steps_with_per_block_grad_scaling_in_fp16():
 
     share_tensors_by_file_descriptor()
     torch.manual_seed(0)
-    dht, model, opt = _peer_on(
+    dht, model, opt = peer_on(
         "per_block", model=apply_memory_options(LeanGPTForCausalLM(small_config()), per_block_grad_scaling=True)
     )
     try:
@@ -176,8 +146,8 @@ def test_states_with_nan_values_are_neither_served_nor_applied(monkeypatch):
 
     from peer.swarm.hivemind_seam import LeanHiveStateAverager
 
-    dht_a, _, opt_a = _peer_on("nan-state")
-    dht_b, model_b, opt_b = _peer_on("nan-state", dht_a.get_visible_maddrs())
+    dht_a, _, opt_a = peer_on("nan-state")
+    dht_b, model_b, opt_b = peer_on("nan-state", dht_a.get_visible_maddrs())
     with torch.no_grad():
         _served_weight(opt_a).fill_(1.0)
         model_b[0].weight.fill_(2.0)
@@ -199,7 +169,7 @@ def test_states_with_nan_values_are_neither_served_nor_applied(monkeypatch):
         # a faulty peer serves its state unchecked (hivemind's own serving code); the WeakMethod that serves
         # the state binds the class's function when the averager is built, so the patch only affects this one
         monkeypatch.setattr(LeanHiveStateAverager, "get_current_state", TrainingStateAverager.get_current_state)
-        dht_c, _, opt_c = _peer_on("nan-state", dht_b.get_visible_maddrs())
+        dht_c, _, opt_c = peer_on("nan-state", dht_b.get_visible_maddrs())
         monkeypatch.undo()
         peers.append((dht_c, opt_c))
         with torch.no_grad():
