@@ -334,7 +334,7 @@ class AuxMonitor:
                     self._watch_for_clients()
                 continue
             try:
-                self.replica.assist_step(anchoring=self.anchoring)
+                self.replica.assist_step()
                 if self.anchoring and self.replica.anchor():  # the step moved its epoch: it serves the new one
                     self._report_progress()
             except Exception:

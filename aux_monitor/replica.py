@@ -92,18 +92,12 @@ class SwarmReplica:
                 time=taken_at,
             )
 
-    def assist_step(self, *, anchoring: bool = False) -> None:
+    def assist_step(self) -> None:
         """One auxiliary step: join the all-reduce round that is due, contributing bandwidth but no data. When the
         round's result arrived, the optimizer took the trainers' step with it (``LeanHiveOptimizer``): a state that
         was the swarm's stays the swarm's at the new epoch. Otherwise hivemind advanced the epoch label without
-        touching the parameters, and the state is no longer offered.
-
-        Unless ``anchoring`` (this aux holds the swarm's state: its clients' round of the epoch it is behind is the
-        one it finishes), an epoch label behind the swarm's is first moved to it, without a round: see
-        ``_catch_up_label``."""
+        touching the parameters, and the state is no longer offered."""
         with self._lock:
-            if not anchoring:
-                self._catch_up_label()
             averager = self.optimizer.state_averager
             fresh = self.held_epoch is not None and self.held_epoch == self.optimizer.local_epoch
             steps = getattr(averager, "auxiliary_steps", 0)
@@ -111,26 +105,6 @@ class SwarmReplica:
             if fresh and getattr(averager, "auxiliary_steps", 0) != steps:
                 self.held_epoch = self.optimizer.local_epoch
             self._update_sharing()
-
-    def _catch_up_label(self) -> None:
-        """A label behind the swarm's epoch (a state downloaded while its donor's round ran is one epoch old) makes
-        hivemind begin this aux's round at once (``ready_to_update_epoch``), before the trainers' epoch ends. It
-        then joins the group the trainers pre-scheduled for that epoch, starts its reducer's clock and bans every
-        trainer that has not begun sending 2 s later ("Reducer: received 67.9% of input tensors"): on the home
-        testbed the group's peers took three different results, 0.05 apart. The label moves to the swarm's epoch
-        instead, so the aux waits for that epoch's end like the trainers; its parameters are not that epoch's, so
-        its state is no longer offered (``_update_sharing``) until a download."""
-        swarm = self.optimizer.tracker.global_epoch
-        if swarm <= self.optimizer.local_epoch:
-            return
-        logger.info(
-            "Epoch label %d is behind the swarm's %d: moved to it without a round", self.optimizer.local_epoch, swarm
-        )
-        self.optimizer.state_averager.local_epoch = swarm
-        tracker = self.optimizer.tracker
-        with tracker.pause_updates():
-            tracker.report_local_progress(local_epoch=swarm, samples_accumulated=0)
-        self._update_sharing()
 
     def anchor(self) -> bool:
         """A swarm of client-mode trainers only: nobody else can serve the state, so this aux offers its own at its

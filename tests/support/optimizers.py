@@ -1,5 +1,5 @@
 """Real hivemind optimizers in process, built by the trainers' own factory (``peer.swarm.optimizer.build_optimizer``)
-on a DHT of 127.0.0.1 (test_optimizer_state.py, tests/aux/test_replica.py, the fault tests)."""
+on a DHT of 127.0.0.1 (test_optimizer_state.py, the fault tests)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
 
 
-def peer_on(run_id: str, initial_peers=(), model: Optional[torch.nn.Module] = None, *, auxiliary: bool = False):
+def peer_on(run_id: str, initial_peers=(), model: Optional[torch.nn.Module] = None):
     """A DHT and a real model (a small default one) + hivemind optimizer, for in-process tests with one peer
-    or several; ``auxiliary``: an aux peer's optimizer (no batches of its own)."""
+    or several."""
     import hivemind
 
     from peer.swarm.network import make_validators
@@ -31,10 +31,9 @@ def peer_on(run_id: str, initial_peers=(), model: Optional[torch.nn.Module] = No
         dht=dht,
         run_id=run_id,
         signing_key=key,
-        batch_size_per_step=None if auxiliary else 4,
+        batch_size_per_step=4,
         collab=CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
         optim=OptimizerArguments(),
         client_mode=False,
-        auxiliary=auxiliary,
     )
     return dht, model, opt
