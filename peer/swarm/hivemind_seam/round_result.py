@@ -227,7 +227,7 @@ class RoundResultSharing:
                 ("current", self.result_epoch, self.result_group),
                 ("previous", self.previous_epoch, self.previous_group),
             )
-            if epoch.value >= 0 and (slot == "current" or self._previous is not None)
+            if epoch.value >= 0  # previous_epoch is set only where the buffer exists (retire_result)
         ]
 
     def _status_for(self, asker: PeerID, epoch: int, group: Optional[bytes], held: Sequence["_Held"]):
