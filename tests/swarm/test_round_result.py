@@ -6,6 +6,7 @@ different result (well formed, plausible in size)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -161,6 +162,35 @@ def test_a_late_peer_takes_the_round_it_missed_after_the_server_began_its_next_r
     before = tensor_of(older)
     assert older.fetch_round_result(epoch=EPOCH, candidates=peers, max_norm=10 * norm, timeout=5) is None
     assert torch.equal(tensor_of(older), before)
+
+
+@pytest.mark.timeout(120)
+def test_an_asker_waits_for_the_round_a_server_has_not_begun_yet(swarm):
+    """A client whose round failed as it began asks before the full peers' epoch ended: their round of that epoch
+    is the next they run (``pending``), so it waits for it instead of stepping apart. A round of the next label that
+    had not begun when asked is not taken by the next-label rule."""
+    honest, _, _, _, _, _, asker, lagging = swarm
+    result = tensor_of(honest)
+    norm = float(result.norm())
+    honest.result_epoch.value, honest.round_epoch.value, honest.ended_epoch.value = -1, EPOCH - 1, EPOCH - 1
+    before = tensor_of(lagging)
+    used = lagging.fetch_round_result(
+        epoch=EPOCH - 1, candidates=[honest.peer_id], max_norm=10 * norm, timeout=3, outside_group=True
+    )
+    assert used is None and torch.equal(tensor_of(lagging), before)
+
+    def begin_then_end():
+        honest.round_epoch.value = EPOCH
+        time.sleep(1.0)
+        honest.ended_epoch.value, honest.result_epoch.value = EPOCH, EPOCH
+
+    timer = threading.Timer(1.0, begin_then_end)
+    timer.start()
+    try:
+        used = asker.fetch_round_result(epoch=EPOCH, candidates=[honest.peer_id], max_norm=10 * norm, timeout=20)
+    finally:
+        timer.join()
+    assert used == [honest.peer_id] and torch.equal(tensor_of(asker), result)
 
 
 @pytest.mark.timeout(120)

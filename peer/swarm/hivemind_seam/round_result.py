@@ -30,16 +30,19 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
   can differ by one between peers (a client's label lagged one behind the round it was in, on a busy loopback
   swarm). A round whose group never formed for this peer ("could not find a group") is named by its epoch.
 - ``rpc_round_result`` (a new RPC, hivemind's ``DownloadData`` message both ways, ``metadata`` a small msgpack
-  request/answer): ``{"epoch": E}`` or ``{"epoch": E, "group": digest}``. The answer is ``ok`` and then every
-  tensor (in the wire compression where decoding it gives back the exact bits, else uncompressed), ``later`` while
-  this peer's own round of E (of that group) still runs, ``busy`` above ``SERVE_MAX`` answers at once, ``refused``
-  to an asker that already took that round, or ``none``. After ``none`` to a group, the asker asks for epoch E
-  (the others may have retried the epoch in a new group without it). An asker whose group had no other data sender,
-  or no member that serves its state (``unconfirmed``: it asks outside its group, below), asks for E + 1 after
-  ``none`` and takes it only if that round was still running when it asked (its epoch label lagged one behind: it
-  holds the result as round E + 1, ``result_epoch``, and the optimizer moves its epoch on by one); one that found no
-  group does not (the others' next round is not the round it missed: a home volunteer that came late for round 0
-  took round 1's result that way).
+  request/answer): ``{"epoch": E}`` or ``{"epoch": E, "group": digest}``. The answer is ``ok`` and then every tensor
+  (in the wire compression where decoding it gives back the exact bits, else uncompressed), ``later`` while this
+  peer's own round of E (of that group) still runs, ``pending`` (asked by epoch) while E is the round this peer has
+  not begun yet (its last round ended, and E is the next: an asker whose own round failed at once asked before the
+  others' epoch ended; the asker waits for it as for ``later``, but a round of the next label that was pending when
+  asked is not taken; an assisting aux, which never holds a result, answers ``none``), ``busy`` above ``SERVE_MAX``
+  answers at once, ``refused`` to an asker that already took that round, or ``none``. After ``none`` to a group, the
+  asker asks for epoch E (the others may have retried the epoch in a new group without it). An asker whose group had
+  no other data sender, or no member that serves its state (``unconfirmed``: it asks outside its group, below), asks
+  for E + 1 after ``none`` and takes it only if that round was still running when it asked (its epoch label lagged one
+  behind: it holds the result as round E + 1, ``result_epoch``, and the optimizer moves its epoch on by one); one that
+  found no group does not (the others' next round is not the round it missed: a home volunteer that came late for
+  round 0 took round 1's result that way).
 - ``fetch_round_result`` (host) / ``_fetch_round_result`` (averager process): asks up to ``ASK`` of the given
   peers at once until ``timeout``. Each answer is untrusted: its tensors must have this peer's shapes and dtypes, be
   finite and come in at most the uncompressed size. Two or more answers must agree bit for bit (the largest group
@@ -61,6 +64,7 @@ from typing import AsyncIterator, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import numpy as np
 import torch
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.compression import (
     BlockwiseQuantization,
     CompressionInfo,
@@ -242,8 +246,14 @@ class RoundResultSharing:
         else:
             match = next((h for h in held if h.epoch == epoch), None)
             if match is None:
-                running = epoch == self.round_epoch.value and epoch != self.ended_epoch.value
-                return ("later" if running else "none"), None
+                begun, ended = self.round_epoch.value, self.ended_epoch.value
+                if epoch == begun and epoch != ended:
+                    return "later", None
+                # a client whose round failed as it began asked before this peer's epoch ended (a CI run: 60 ms
+                # after its fault, while both full peers still accumulated); "none" made it step apart. An
+                # assisting aux never holds a result: it would only keep the asker waiting
+                pending = epoch == begun + 1 and ended == begun and self.mode != AveragingMode.AUX
+                return ("pending" if pending else "none"), None
         if self._served.get(asker) == match.epoch:
             return "refused", None
         if self._serving >= SERVE_MAX:
@@ -460,6 +470,9 @@ class RoundResultSharing:
                 await close_stream(iterator)
             if status == "none" and not only_running:
                 raise NotHeld(f"it answered {status!r}")
+            if status == "pending" and not only_running:
+                await asyncio.sleep(LATER_POLL)  # its round of this epoch has not begun yet
+                continue
             if status != "later":
                 raise FetchFailed(f"it answered {status!r} (round {epoch})")
             running = True
