@@ -395,3 +395,49 @@ def test_a_client_ends_no_epoch_alone_and_counts_its_samples_as_the_others_do(tm
         assert trainer.global_progress.samples_accumulated == 40 + 32
     finally:
         dht.shutdown()
+
+
+def test_two_clients_an_epoch_apart_both_go_on_and_a_new_peer_is_looked_at_again_soon(tmp_path):
+    """Home testbed a: one client's first round failed and it stepped alone into epoch 1, the other stayed at epoch
+    0 with the anchoring aux. Each counted only its own samples, capped at half the target, and no epoch ended for
+    100 s. A client one epoch on went through the epoch: it counts as its full share, so the one behind (and the
+    aux) end epoch 0, while the one ahead waits for them. And a starting peer whose first fetch found a new peer
+    with a step's worth of throughput (ETA 68 s) fetched again only 10 s later, after the epoch had ended."""
+    import hivemind
+
+    from peer.swarm.hivemind_seam import LeanHiveProgressTracker
+
+    def record(epoch: int, samples: int, client_mode: bool = True, samples_per_second: float = 50.0):
+        return _progress_record(
+            epoch=epoch, samples=samples, samples_per_second=samples_per_second, client_mode=client_mode
+        )
+
+    from hivemind.utils import get_dht_time
+
+    aux = {b"aux": record(0, 0, client_mode=False, samples_per_second=0.0)}
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        behind = LeanHiveProgressTracker(dht, "apart_run", 64, client_mode=True, start=False)
+        own = {behind._local_public_key: record(0, 40)}
+        behind.global_progress = behind._parse_swarm_progress_data({**aux, **own, b"ahead": record(1, 8)})
+        assert behind.global_progress.samples_accumulated == 32 + 32 and behind.ready_to_update_epoch
+        # two epochs on is no peer that went through this one
+        behind.global_progress = behind._parse_swarm_progress_data({**aux, **own, b"ahead": record(2, 8)})
+        assert behind.global_progress.samples_accumulated == 32 and not behind.ready_to_update_epoch
+
+        ahead = LeanHiveProgressTracker(dht, "apart_run", 64, client_mode=True, start=False)
+        ahead.report_local_progress(local_epoch=1, samples_accumulated=40)
+        mine = {ahead._local_public_key: record(1, 40)}
+        ahead.global_progress = ahead._parse_swarm_progress_data({**aux, **mine, b"behind": record(0, 40)})
+        assert ahead.global_progress.samples_accumulated == 32 and not ahead.ready_to_update_epoch
+
+        starting = LeanHiveProgressTracker(
+            dht, "apart_run", 64, client_mode=True, start=False, default_refresh_period=1.0
+        )
+        slow = {**aux, b"new": record(0, 1, samples_per_second=0.5)}
+        progress = starting._parse_swarm_progress_data(slow)
+        assert progress.eta_next_epoch - get_dht_time() > 20 and progress.next_fetch_time - get_dht_time() <= 1.0
+        progress = starting._parse_swarm_progress_data(slow)  # the same peers: hivemind's period again
+        assert progress.next_fetch_time - get_dht_time() > 5
+    finally:
+        dht.shutdown()

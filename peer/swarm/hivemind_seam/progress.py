@@ -53,7 +53,10 @@ class LeanHiveProgressTracker(ProgressTracker):
       (``THROUGHPUT_FACTOR``); the samples it is assumed to have added since its last report at most
       ``MAX_EXTRAPOLATED_SHARE`` of the target, and its samples at most ``MAX_PEER_SHARE`` of the target: a peer
       that did more ends the epoch itself and the others follow its next-epoch record, but one record cannot end
-      an epoch for everyone.
+      an epoch for everyone. A client's record one epoch ahead counts as that share (hivemind's epoch is the
+      serving peers', so without it two clients an epoch apart never end an epoch);
+    - a fetch that finds peers come or gone fetches again within ``default_refresh_period`` (a starting peer's ETA,
+      from a step's worth of throughput, can exceed ``max_refresh_period``).
 
     Each ignored record is logged once per peer and reason (a warning), then at DEBUG.
     """
@@ -70,6 +73,7 @@ class LeanHiveProgressTracker(ProgressTracker):
         self._strikes: Dict[bytes, int] = {}  # subkey -> number of refuted claims
         self._claims: Dict[bytes, int] = {}  # subkey -> epoch it claims beyond the consensus, at the last fetch
         self._last_metadata: Optional[dict] = None
+        self._seen_peers: frozenset = frozenset()  # the records' subkeys at the last fetch
         self._logged_outliers: set = set()
         super().__init__(*args, **kwargs)
 
@@ -221,7 +225,14 @@ class LeanHiveProgressTracker(ProgressTracker):
             if not uncapped:
                 samples = min(samples, share_cap)
             total_samples_per_second += rate
-            if record.epoch == global_epoch:
+            if record.client_mode and record.epoch == global_epoch + 1:
+                # a client one epoch on went through this one (its round failed, it stepped alone): it did its
+                # share. Uncounted, two clients an epoch apart each counted only their own capped half and neither
+                # epoch ever ended (home testbed a: no epoch in 100 s). A hostile record gets no more this way
+                # than by claiming the samples
+                total_samples_accumulated += share_cap
+                estimated_current_samples += share_cap
+            elif record.epoch == global_epoch:
                 total_samples_accumulated += samples
                 estimated_current_samples += (
                     (samples + extrapolated) if uncapped else min(samples + extrapolated, share_cap)
@@ -234,6 +245,11 @@ class LeanHiveProgressTracker(ProgressTracker):
             self.max_refresh_period,
             max(self.min_refresh_period, estimated_time_to_next_epoch * num_peers / expected_max_peers),
         )
+        if frozenset(records) != self._seen_peers:
+            # peers came or went: their first throughputs are a step's worth, and an ETA from them ran to 68 s, so
+            # a starting peer fetched again only after max_refresh_period and missed the epoch's end (home testbed a)
+            time_to_next_fetch = min(time_to_next_fetch, self.default_refresh_period)
+        self._seen_peers = frozenset(records)
         logger.log(
             self.status_loglevel,
             f"{self.prefix} accumulated {total_samples_accumulated} samples for epoch #{global_epoch} from "
