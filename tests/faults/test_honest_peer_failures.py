@@ -439,5 +439,9 @@ def test_two_clients_an_epoch_apart_both_go_on_and_a_new_peer_is_looked_at_again
         assert progress.eta_next_epoch - get_dht_time() > 20 and progress.next_fetch_time - get_dht_time() <= 1.0
         progress = starting._parse_swarm_progress_data(slow)  # the same peers: hivemind's period again
         assert progress.next_fetch_time - get_dht_time() > 5
+        # a serving trainer keeps hivemind's period (its own samples end its epochs; fault scenario y, a local-mode
+        # joiner, failed with the shorter one)
+        trainer = LeanHiveProgressTracker(dht, "apart_run", 64, start=False, default_refresh_period=1.0)
+        assert trainer._parse_swarm_progress_data(slow).next_fetch_time - get_dht_time() > 5
     finally:
         dht.shutdown()

@@ -55,8 +55,9 @@ class LeanHiveProgressTracker(ProgressTracker):
       that did more ends the epoch itself and the others follow its next-epoch record, but one record cannot end
       an epoch for everyone. A client's record one epoch ahead counts as that share (hivemind's epoch is the
       serving peers', so without it two clients an epoch apart never end an epoch);
-    - a fetch that finds peers come or gone fetches again within ``default_refresh_period`` (a starting peer's ETA,
-      from a step's worth of throughput, can exceed ``max_refresh_period``).
+    - a client's or an aux's fetch that finds peers come or gone fetches again within ``default_refresh_period``
+      (a starting peer's ETA, from a step's worth of throughput, can exceed ``max_refresh_period``, and only the
+      others' records end their epochs).
 
     Each ignored record is logged once per peer and reason (a warning), then at DEBUG.
     """
@@ -245,9 +246,10 @@ class LeanHiveProgressTracker(ProgressTracker):
             self.max_refresh_period,
             max(self.min_refresh_period, estimated_time_to_next_epoch * num_peers / expected_max_peers),
         )
-        if frozenset(records) != self._seen_peers:
+        if self._ends_no_epoch_alone and frozenset(records) != self._seen_peers:
             # peers came or went: their first throughputs are a step's worth, and an ETA from them ran to 68 s, so
-            # a starting peer fetched again only after max_refresh_period and missed the epoch's end (home testbed a)
+            # a starting client or aux fetched again only after max_refresh_period and missed the epoch's end (home
+            # testbed a). Not for serving trainers: with it, fault scenario y (a local-mode joiner) failed 2 of 2
             time_to_next_fetch = min(time_to_next_fetch, self.default_refresh_period)
         self._seen_peers = frozenset(records)
         logger.log(
@@ -264,6 +266,12 @@ class LeanHiveProgressTracker(ProgressTracker):
             eta_next_epoch=now + estimated_time_to_next_epoch,
             next_fetch_time=now + time_to_next_fetch,
         )
+
+    @property
+    def _ends_no_epoch_alone(self) -> bool:
+        """A client (its own samples count at most ``MAX_PEER_SHARE``) or an aux (none of its own): only the others'
+        records end its epochs."""
+        return self.client_mode or not self.votes_own_epoch
 
     def _ignore(self, subkey: bytes, reason: str, detail: str) -> None:
         level = logging.DEBUG if (subkey, reason) in self._logged_outliers else logging.WARNING
