@@ -246,12 +246,13 @@ class LeanHiveProgressTracker(ProgressTracker):
             self.max_refresh_period,
             max(self.min_refresh_period, estimated_time_to_next_epoch * num_peers / expected_max_peers),
         )
-        if self._ends_no_epoch_alone and frozenset(records) != self._seen_peers:
+        peers = frozenset(records)
+        if self._ends_no_epoch_alone and peers != self._seen_peers:
             # peers came or went: their first throughputs are a step's worth, and an ETA from them ran to 68 s, so
             # a starting client or aux fetched again only after max_refresh_period and missed the epoch's end (home
             # testbed a). Not for serving trainers: with it, fault scenario y (a local-mode joiner) failed 2 of 2
             time_to_next_fetch = min(time_to_next_fetch, self.default_refresh_period)
-        self._seen_peers = frozenset(records)
+        self._seen_peers = peers
         logger.log(
             self.status_loglevel,
             f"{self.prefix} accumulated {total_samples_accumulated} samples for epoch #{global_epoch} from "
