@@ -404,6 +404,7 @@ def test_two_clients_an_epoch_apart_both_go_on_and_a_new_peer_is_looked_at_again
     aux) end epoch 0, while the one ahead waits for them. And a starting peer whose first fetch found a new peer
     with a step's worth of throughput (ETA 68 s) fetched again only 10 s later, after the epoch had ended."""
     import hivemind
+    from hivemind.utils import get_dht_time
 
     from peer.swarm.hivemind_seam import LeanHiveProgressTracker
 
@@ -411,8 +412,6 @@ def test_two_clients_an_epoch_apart_both_go_on_and_a_new_peer_is_looked_at_again
         return _progress_record(
             epoch=epoch, samples=samples, samples_per_second=samples_per_second, client_mode=client_mode
         )
-
-    from hivemind.utils import get_dht_time
 
     aux = {b"aux": record(0, 0, client_mode=False, samples_per_second=0.0)}
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
