@@ -19,7 +19,7 @@ from hivemind.utils import get_dht_time
 
 from aux_monitor.aggregation import MetricsAggregator
 from aux_monitor.arguments import AuxArguments
-from aux_monitor.checkpoints import CheckpointError, CheckpointManager
+from aux_monitor.checkpoints import CheckpointError, CheckpointManager, TrainingState
 from aux_monitor.evaluation import evaluate
 from aux_monitor.hub import HubUploader
 from aux_monitor.replica import SwarmReplica
@@ -108,7 +108,8 @@ class AuxMonitor:
     # ------------------------------------------------------------------ one refresh
     def refresh(self) -> None:
         records = fetch_metrics(self.dht, self.run_id, timeout=max(5.0, self.args.refresh_period))
-        snapshot = self.aggregator.update(records, now=get_dht_time(), swarm_epoch=self._tracked_epoch())
+        tracked = self._tracked_epoch()
+        snapshot = self.aggregator.update(records, now=get_dht_time(), swarm_epoch=tracked)
         self.holder.update(swarm=snapshot)
         if snapshot.global_epoch is not None:
             # one line per new epoch at INFO; every refresh at DEBUG
@@ -132,19 +133,25 @@ class AuxMonitor:
             self.trainers_online.clear()
             self._serve_checkpoint_when_empty()
 
-        epoch = max(self.replica.swarm_epoch, snapshot.global_epoch or 0)
+        # the epoch a state is served at, not the newest any metrics record names: a trainer an epoch ahead, or the
+        # last epoch of trainers that crashed, is an epoch no donor serves, and aiming at it downloaded the same
+        # state again at every refresh (tests/aux/test_swarm.py: each second for a minute)
+        epoch = tracked if tracked is not None else (snapshot.global_epoch or 0)
         want_checkpoint = self.checkpoints is not None and is_due(
             epoch, self.last_checkpoint_epoch, self.args.checkpoint_every
         )
         want_eval = is_due(epoch, self.last_eval_epoch, self.args.eval_every)
         if not (want_checkpoint or want_eval):
             return
-        with self.replica.exclusive():  # no assist step touches the state between its download and its use
+        with self.replica.exclusive():  # no assist step touches the state between its download and its copy
             held = self.replica.held_epoch
-            # assisting peers' parameters are touched by averaging rounds: only a fresh download is the swarm's (an aux
-            # that may assist but does not, with no client trainer online, keeps downloading only for a newer epoch)
-            # (an anchoring aux holds the swarm's state itself: nobody else could send it)
-            if not self.anchoring and (held is None or held < epoch or self.should_assist()):
+            # an assisting aux's parameters take part in averaging rounds: a failed round leaves them apart from the
+            # swarm's, and only a download brings them back. One that took every round's step since its last
+            # download holds the swarm's state (it offers it to joiners): downloading it again, while it led a
+            # round's group, held the lock its assist step needs and the round was lost for every peer (home
+            # testbed b). (An anchoring aux holds the swarm's state itself: nobody else could send it.)
+            stale = held is None or held < epoch or (self.should_assist() and not self.replica.fresh)
+            if not self.anchoring and stale:
                 held = self.replica.download()
                 if held is None:
                     logger.warning(
@@ -153,11 +160,17 @@ class AuxMonitor:
                     return
                 logger.info("Downloaded the swarm's state of epoch %d", held)
                 events.emit("state_loaded", epoch=held, source="swarm", reason="refresh", path=None)
-            # evaluation first: the checkpoint then records this epoch's validation loss among the run's facts
-            if want_eval and is_due(held, self.last_eval_epoch, self.args.eval_every):
-                self._evaluate()
-            if want_checkpoint and is_due(held, self.last_checkpoint_epoch, self.args.checkpoint_every):
-                self._checkpoint(loss=snapshot.loss)
+            eval_due = want_eval and is_due(held, self.last_eval_epoch, self.args.eval_every)
+            checkpoint_due = want_checkpoint and is_due(held, self.last_checkpoint_epoch, self.args.checkpoint_every)
+            if not (eval_due or checkpoint_due):
+                return
+            # a copy: evaluating and writing it take long, and the assist steps go on meanwhile
+            state = self.replica.capture(loss=snapshot.loss, taken_at=time.time())
+        # evaluation first: the checkpoint then records this epoch's validation loss among the run's facts
+        if eval_due:
+            self._evaluate(state)
+        if checkpoint_due:
+            self._checkpoint(state)
 
     def _watch_trainers(self) -> None:
         """Who needs this aux: client-mode trainers need a reducer (``--assist_in_averaging`` default: assist while
@@ -262,8 +275,7 @@ class AuxMonitor:
         )
         events.emit("offering_checkpoint", epoch=loaded.state.epoch)
 
-    def _checkpoint(self, loss: Optional[float]) -> None:
-        state = self.replica.capture(loss=loss, taken_at=time.time())
+    def _checkpoint(self, state: TrainingState) -> None:
         state.facts = self._run_facts()
         try:
             info = self.checkpoints.save(state)
@@ -291,10 +303,10 @@ class AuxMonitor:
             facts.update(validation_loss=evaluation.loss, validation_epoch=evaluation.epoch)
         return facts
 
-    def _evaluate(self) -> None:
-        epoch = self.replica.held_epoch
+    def _evaluate(self, state: TrainingState) -> None:
+        epoch = state.epoch
         result = evaluate(
-            self.replica.model,
+            state.model,
             self.validation,
             epoch=epoch,
             batch_size=self.args.eval_batch_size,

@@ -41,6 +41,12 @@ class SwarmReplica:
         consensus = getattr(tracker, "consensus_epoch", None)
         return tracker.global_epoch if consensus is None else consensus
 
+    @property
+    def fresh(self) -> bool:
+        """The held state is the swarm's at the optimizer's epoch: an assisting aux took every round's step since it
+        was loaded (``assist_step``); a round without the result moves the epoch on and leaves it behind."""
+        return self.held_epoch is not None and self.held_epoch == self.optimizer.local_epoch
+
     def download(self) -> Optional[int]:
         """Load the newest state a trainer offers; returns its epoch, or None if no state arrived.
 
@@ -99,7 +105,7 @@ class SwarmReplica:
         touching the parameters, and the state is no longer offered."""
         with self._lock:
             averager = self.optimizer.state_averager
-            fresh = self.held_epoch is not None and self.held_epoch == self.optimizer.local_epoch
+            fresh = self.fresh
             steps = getattr(averager, "auxiliary_steps", 0)
             self.optimizer.step()
             if fresh and getattr(averager, "auxiliary_steps", 0) != steps:
@@ -143,8 +149,7 @@ class SwarmReplica:
         self._update_sharing()
 
     def _update_sharing(self) -> None:
-        fresh = self.held_epoch is not None and self.held_epoch == self.optimizer.local_epoch
-        self._set_sharing(fresh)
+        self._set_sharing(self.fresh)
 
     def _set_sharing(self, allowed: bool) -> None:
         averager = self.optimizer.state_averager

@@ -193,6 +193,12 @@ def test_aux_peer_with_trainers(tmp_path):
             interval=0.2,
             what="an aux checkpoint at an epoch the new trainer backed up",
         )
+        # the crashed trainers' records name an epoch no donor serves any more (they outlive their peers by a
+        # minute): a state is downloaded once, not again before each step (the newcomer did, 166 times in 41 s) or
+        # at each refresh for a checkpoint (the aux did)
+        assert newcomer.log().count("Downloaded the state") <= 2, newcomer.tail(20)
+        loads = len(aux.events.all("state_loaded"))
+        assert loads <= len(aux.events.all("checkpoint_saved")) + 4, f"{loads} downloads for the checkpoints"
         saved = LeanGPTForCausalLM.from_pretrained(tmp_path / "ckpt" / name).state_dict()
         trainer_params = backups[epoch]
         assert saved.keys() == trainer_params.keys()

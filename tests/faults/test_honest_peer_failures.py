@@ -444,3 +444,38 @@ def test_two_clients_an_epoch_apart_both_go_on_and_a_new_peer_is_looked_at_again
         assert trainer._parse_swarm_progress_data(slow).next_fetch_time - get_dht_time() > 5
     finally:
         dht.shutdown()
+
+
+def test_records_of_peers_that_served_no_state_count_again_only_once_renewed(tmp_path):
+    """Every trainer crashed at epoch 12; a newcomer loaded an aux's checkpoint of epoch 10. The dead trainers'
+    records outlive them by a minute, and with the swarm's epoch two ahead hivemind downloaded the same state again
+    before each step (166 times in 41 s, tests/aux/test_swarm.py). After a download that no donor served beyond
+    epoch 10, records more than MAX_EPOCH_LEAD beyond it count no more until their peers renew them: a peer that
+    was only busy renews its record with its next step."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from peer.swarm.hivemind_seam import LeanHiveProgressTracker
+
+    def record(epoch: int):
+        return _progress_record(epoch=epoch, samples=8, samples_per_second=50.0, client_mode=False)
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        newcomer = LeanHiveProgressTracker(dht, "gone_run", 64, start=False, default_refresh_period=1.0)
+        newcomer.report_local_progress(local_epoch=10, samples_accumulated=0)
+        newcomer.mark_in_sync()
+        dead = {b"dead1": record(12), b"dead2": record(12), b"near": record(11)}
+        newcomer.global_progress = newcomer._parse_swarm_progress_data(dead)
+        newcomer.global_progress.next_fetch_time = get_dht_time() + 30
+        assert newcomer.global_progress.epoch == 12
+        with newcomer.pause_updates():
+            newcomer.refute_claims_above(10)  # the download ended at epoch 10
+        assert newcomer.global_progress.epoch == 11  # one ahead is a peer that just ended the epoch: it counts
+        assert newcomer.global_progress.next_fetch_time - get_dht_time() <= 1.0  # it looks again soon
+        assert newcomer._parse_swarm_progress_data(dead).epoch == 11  # the same records, fetched again
+        # a renewed record counts again: its peer was alive after all
+        renewed = {**dead, b"dead1": record(12)}  # written again, at a later time
+        assert newcomer._parse_swarm_progress_data(renewed).epoch == 12
+    finally:
+        dht.shutdown()

@@ -55,6 +55,8 @@ class LeanHiveProgressTracker(ProgressTracker):
       that did more ends the epoch itself and the others follow its next-epoch record, but one record cannot end
       an epoch for everyone. A client's record one epoch ahead counts as that share (hivemind's epoch is the
       serving peers', so without it two clients an epoch apart never end an epoch);
+    - after a state download, the records of serving peers more than ``MAX_EPOCH_LEAD`` beyond its epoch count
+      only once their peers renew them (``refute_claims_above``): a crashed peer's record outlives it by a minute;
     - a client's or an aux's fetch that finds peers come or gone fetches again within ``default_refresh_period``
       (a starting peer's ETA, from a step's worth of throughput, can exceed ``max_refresh_period``, and only the
       others' records end their epochs).
@@ -74,6 +76,8 @@ class LeanHiveProgressTracker(ProgressTracker):
         self._strikes: Dict[bytes, int] = {}  # subkey -> number of refuted claims
         self._claims: Dict[bytes, int] = {}  # subkey -> epoch it claims beyond the consensus, at the last fetch
         self._last_metadata: Optional[dict] = None
+        self._records: Dict[bytes, LocalTrainingProgress] = {}  # the plausible records at the last fetch
+        self._unserved: Dict[bytes, float] = {}  # subkey -> time of its record that no served state backed
         self._seen_peers: frozenset = frozenset()  # the records' subkeys at the last fetch
         self._logged_outliers: set = set()
         super().__init__(*args, **kwargs)
@@ -138,8 +142,11 @@ class LeanHiveProgressTracker(ProgressTracker):
                 self._ignore(subkey, "stale", f"it was written {now - record.time:.0f} s ago but has not expired")
             elif not math.isfinite(record.samples_per_second):
                 self._ignore(subkey, "throughput", f"throughput {record.samples_per_second} is not finite")
-            else:
+            elif self._unserved.get(subkey) != record.time:
                 parsed[subkey] = record
+        # a record counts again once its peer renews it (alive after all: it was busy, not gone)
+        self._unserved = {key: t for key, t in self._unserved.items() if key in metadata and key not in parsed}
+        self._records = dict(parsed)
 
         serving = [r for key, r in parsed.items() if not r.client_mode and key != own_key]
         # a state holder's record (an anchoring aux peer: no throughput) votes only while no serving trainer
@@ -170,8 +177,27 @@ class LeanHiveProgressTracker(ProgressTracker):
 
     def refute_claims_above(self, epoch: int) -> None:
         """A state download just ended at ``epoch``: the peers that claimed more than ``MAX_EPOCH_LEAD`` beyond it
-        are not followed for ``REFUTED_SECONDS``, and the swarm's progress is re-estimated without them. Call it
-        with the tracker paused (``pause_updates``), as hivemind's own download does."""
+        are not followed for ``REFUTED_SECONDS``, the records of serving peers that far ahead count no more until
+        their peers renew them, and the swarm's progress is re-estimated without them. Call it with the tracker
+        paused (``pause_updates``), as hivemind's own download does.
+
+        A crashed peer's record lives on until it expires (a minute): when every trainer crashed, a newcomer that
+        loaded an aux's older checkpoint saw the dead trainers' epoch two ahead and downloaded the same state again
+        before each of its steps, 166 times in 41 s (tests/aux/test_swarm.py). A live peer renews its record with
+        every step, so one that was only busy counts again at the next fetch."""
+        unserved = {
+            key: record.time
+            for key, record in self._records.items()
+            if key != self._local_public_key and not record.client_mode and record.epoch > epoch + MAX_EPOCH_LEAD
+        }
+        if unserved:
+            logger.info(
+                "No peer served a state beyond epoch %d: %d record(s) of later epochs count again only once renewed "
+                "(peers that left)",
+                epoch,
+                len(unserved),
+            )
+        self._unserved.update(unserved)
         liars = [key for key, claim in self._claims.items() if claim > epoch + MAX_EPOCH_LEAD]
         for key in liars:
             self._strikes[key] = self._strikes.get(key, 0) + 1
@@ -186,8 +212,14 @@ class LeanHiveProgressTracker(ProgressTracker):
                 epoch,
                 seconds,
             )
-        if liars and self._last_metadata:
+        if (liars or unserved) and self._last_metadata:
             self.global_progress = self._parse_swarm_progress_data(self._last_metadata)
+        if unserved:
+            # look again soon: a peer that was only busy renews its record with its next step, and until then
+            # this one must not take an epoch the others are past for its own
+            soon = get_dht_time() + self.default_refresh_period
+            self.global_progress.next_fetch_time = min(self.global_progress.next_fetch_time, soon)
+            self.global_state_updated.set()  # the fetcher waits for the time it computed before
 
     def _bounded_progress(self, records: Dict[bytes, LocalTrainingProgress], now: float) -> GlobalTrainingProgress:
         """hivemind's estimate (ProgressTracker._parse_swarm_progress_data, 1.1.12) over plausible records, with
