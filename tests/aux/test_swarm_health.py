@@ -58,20 +58,21 @@ def test_a_trainer_whose_averaging_fails_shows_on_metrics_and_the_dashboard(tmp_
         aux.events.wait("serving", timeout=120)
 
         def settled():
-            rounds = _peer_rounds(scrape(url + "/metrics"))
+            metrics = scrape(url + "/metrics")
+            rounds = _peer_rounds(metrics)
             # its round breaks off on its side; hivemind then retries matchmaking until the round's deadline, so
             # the failure shows as no group or a timeout
             failing = [p for p, r in rounds.items() if sum(r.values()) - r.get("ok", 0) >= 3 and r.get("ok", 0) == 0]
             healthy = [p for p, r in rounds.items() if r.get("ok", 0) >= 3]
-            return len(failing) == 1 and len(healthy) == 2 and (failing, healthy)
+            marks = {p: dict(key)["mark"] for p, by in _per_peer(metrics, "leanhive_peer_marked").items() for key in by}
+            # a healthy trainer's first rounds can find no group while the three start, and a round with the failing
+            # one in its group ends partial for it too: with 3 ok rounds it may still be under half (a CI run: 3 of
+            # 9), and its mark clears as its ok rounds add up; the failing one never has an ok round
+            marked = [p for p, mark in marks.items() if mark == "failing"]
+            return len(failing) == 1 and len(healthy) == 2 and marked == failing and (failing, healthy, metrics)
 
-        failing, healthy = wait_for(settled, timeout=300, interval=2, what="3 trainers' rounds on /metrics")
+        failing, healthy, metrics = wait_for(settled, timeout=300, interval=2, what="3 trainers' rounds and marks")
         [failing] = failing
-        metrics = scrape(url + "/metrics")
-        marks = {
-            peer: dict(key)["mark"] for peer, by in _per_peer(metrics, "leanhive_peer_marked").items() for key in by
-        }
-        assert marks.get(failing) == "failing" and all(marks.get(p) != "failing" for p in healthy), marks
         failed = sum(metrics[("leanhive_rounds_total", (("outcome", o),))] for o in ("no_group", "timeout", "partial"))
         assert failed >= 3
         assert metrics[("leanhive_rounds_total", (("outcome", "ok"),))] >= 6
