@@ -95,6 +95,12 @@ class Scenario:
     aux_extra: tuple = ()
     trains: bool = True
     """Whether the swarm is expected to train (d is not: nobody can reduce)."""
+    joiners: tuple = ()
+    """NAT'd volunteers that join while the swarm trains, one every ``join_every`` s from ``join_every`` s in: each
+    entry is that joiner's ``--max_donors`` (how many donors it takes its state from at once)."""
+    join_every: float = 40.0
+    public_mbit: Optional[float] = None
+    """Public hosts' links (both directions; None: unlimited): donors on home-like uplinks."""
 
 
 SCENARIOS: Dict[str, Scenario] = {
@@ -139,7 +145,7 @@ def tolerance() -> float:
 @dataclass
 class Peer:
     name: str
-    role: str  # aux, public, volunteer, forwarded
+    role: str  # aux, public, volunteer, forwarded, joiner
     process: SwarmPeer
     started: float
     params: Optional[Path] = None
@@ -171,6 +177,7 @@ class HomeSwarm:
         self.run_id = f"home-{scenario.key}"
         self.peers: List[Peer] = []
         self.net: Optional[HomeNetwork] = None
+        self.join: List[str] = []  # the aux peer's public address: what every trainer passes to --initial_peers
 
     # ---- starting peers
 
@@ -232,7 +239,8 @@ class HomeSwarm:
             "code": _code_version(),
             "peers": {},
         }
-        with HomeNetwork(public=1 + s.public_trainers, homes=s.volunteers, link=self.link) as net:
+        homes = s.volunteers + len(s.joiners)
+        with HomeNetwork(public=1 + s.public_trainers, homes=homes, link=self.link, public_mbit=s.public_mbit) as net:
             self.net = net
             try:
                 self.say(f"[{s.key}] {s.title}: {net.prefix}, home lines {self.link.describe()}")
@@ -241,7 +249,8 @@ class HomeSwarm:
                 for index, host in enumerate(net.public[1:]):
                     args = [*self._trainer_args(join), "--host_maddrs", f"/ip4/0.0.0.0/tcp/{PORT}"]
                     self._start(f"public{index}", "public", host, args)
-                for index, home in enumerate(net.homes):
+                self.join = join
+                for index, home in enumerate(net.homes[: s.volunteers]):
                     args = self._trainer_args(join)
                     role = "volunteer"
                     if index < s.forwarded:
@@ -285,10 +294,26 @@ class HomeSwarm:
                 self.say(f"  {peer.name} did not start its DHT: {str(e).splitlines()[0]}")
         self.say(f"  trainers up: {', '.join(p.name for p in self.peers[1:])}; training {self.duration:.0f} s")
 
+    def _start_joiner(self, index: int) -> None:
+        max_donors = self.scenario.joiners[index]
+        home = self.net.homes[self.scenario.volunteers + index]
+        peer = self._start(
+            f"joiner{index}", "joiner", home, [*self._trainer_args(self.join), "--max_donors", str(max_donors)]
+        )
+        peer.info["max_donors"] = max_donors
+        self.say(f"  joiner{index} started (--max_donors {max_donors})")
+
+    def _tick(self, began: float) -> None:
+        """Every 2 s while the swarm trains: start the joiners that are due."""
+        started = sum(1 for p in self.peers if p.role == "joiner")
+        if started < len(self.scenario.joiners) and time.time() >= began + (started + 1) * self.scenario.join_every:
+            self._start_joiner(started)
+
     def _train(self, began: float) -> None:
         next_report = began + 15
         while time.time() < began + self.duration:
             time.sleep(2)
+            self._tick(began)
             self._prune_params()
             if time.time() >= next_report:
                 next_report += 15

@@ -32,6 +32,17 @@ the end by at most that), and a request per part costs one round trip."""
 MIN_PART_BYTES = 16 << 10
 MAX_PART_BYTES = 64 << 20
 """A manifest's part size must lie between these (a joiner holds one part per donor in memory while it checks it)."""
+SPREAD_PARTS = 48
+"""A state smaller than this many default parts is cut into this many smaller ones: ``tiny``'s 5.6 MB in 4 MiB parts
+is 2 parts, which at most two donors can share."""
+
+
+def part_bytes_for(total_bytes: int) -> int:
+    """The part size a donor cuts a state of ``total_bytes`` into: ``DEFAULT_PART_BYTES``, or for a small state the
+    size that gives ``SPREAD_PARTS`` parts (at least ``MIN_PART_BYTES``). It depends on the size alone, so donors of
+    one state announce the same partition."""
+    return max(MIN_PART_BYTES, min(DEFAULT_PART_BYTES, math.ceil(total_bytes / SPREAD_PARTS)))
+
 
 Layout = Sequence[Tuple[torch.Size, torch.dtype]]
 

@@ -7,10 +7,14 @@ import pytest
 import torch
 
 from peer.swarm.state_parts import (
+    DEFAULT_PART_BYTES,
+    MIN_PART_BYTES,
+    SPREAD_PARTS,
     Manifest,
     PartSchedule,
     flatten,
     group_by_root,
+    part_bytes_for,
     part_ranges,
     resume_from,
     unflatten,
@@ -35,6 +39,15 @@ def test_the_partition_covers_the_state_once_in_order():
         assert all(end - start <= size for start, end in ranges)
     with pytest.raises(ValueError, match="part_bytes"):
         part_ranges(10, 0)
+
+
+def test_a_small_state_is_cut_into_enough_parts_for_several_donors():
+    small_preset, tiny_preset = 746_700_000, 5_600_000
+    assert part_bytes_for(small_preset) == DEFAULT_PART_BYTES
+    assert len(part_ranges(tiny_preset, part_bytes_for(tiny_preset))) == SPREAD_PARTS  # not 2 parts of 4 MiB
+    assert part_bytes_for(1000) == MIN_PART_BYTES
+    for total in (1, 1000, tiny_preset, 200 << 20, small_preset):
+        assert MIN_PART_BYTES <= part_bytes_for(total) <= DEFAULT_PART_BYTES
 
 
 def test_flatten_and_unflatten_give_back_every_tensor_bit_for_bit():

@@ -35,7 +35,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from peer.swarm.state_parts import DEFAULT_PART_BYTES, Manifest, PartSchedule, digest, flatten, group_by_root, unflatten
+from peer.swarm.state_parts import Manifest, PartSchedule, digest, flatten, group_by_root, part_bytes_for, unflatten
 
 logger = logging.getLogger("peer.swarm.hivemind_seam.averaging")  # one logger for every state download line
 
@@ -74,7 +74,8 @@ class _Snapshot:
 class PartedStateTransfer:
     """See the module docstring. Mixed into ``LeanHiveStateAverager`` before hivemind's classes."""
 
-    serve_part_bytes: int = DEFAULT_PART_BYTES
+    serve_part_bytes: Optional[int] = None
+    """None: ``part_bytes_for`` the state's size (tests and benchmarks set a size)."""
     serve_max_joiners: int = 2
 
     def __init__(self, *args, **kwargs):
@@ -182,7 +183,12 @@ class PartedStateTransfer:
             loop = asyncio.get_event_loop()
             buffer = await loop.run_in_executor(None, flatten, tensors)
             manifest = await loop.run_in_executor(
-                None, Manifest.build, served["epoch"], metadata_bytes, buffer, self.serve_part_bytes
+                None,
+                Manifest.build,
+                served["epoch"],
+                metadata_bytes,
+                buffer,
+                self.serve_part_bytes or part_bytes_for(buffer.numel()),
             )
             snapshot = self._snapshots.get(manifest.root) or _Snapshot(manifest, metadata_bytes, buffer)
             self._snapshots[manifest.root] = snapshot
