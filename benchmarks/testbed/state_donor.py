@@ -16,6 +16,8 @@ Modes (how it serves):
   with every byte of it flipped: well formed (the right size; the digest is what must catch it), while the manifest
   it announces is the honest one.
 - ``wrong_manifest``: the same wrong part, and a manifest that matches it (this donor's digest is then outvoted).
+- ``cut_part``: the first request for part ``--wrong_part`` ends after its answer header with none of the part's
+  bytes (a connection cut mid-download, as a home donor's was at its epoch's end); later requests are served.
 
 ``--serve_rate`` bounds the bytes per second it sends parts at (0: unbounded), so that a test can kill it
 mid-download; ``--part_bytes`` sets its partition; ``--no_parts`` removes the part RPC (a peer that serves only
@@ -50,7 +52,7 @@ from peer.swarm.state_parts import DEFAULT_PART_BYTES
 
 logger = logging.getLogger("state_donor")
 
-MODES = ("honest", "cut", "wrong_part", "wrong_manifest")
+MODES = ("honest", "cut", "wrong_part", "wrong_manifest", "cut_part")
 
 
 def make_model(seed: int, width: int = 4096, inner: int = 128, preset: Optional[str] = None) -> torch.nn.Module:
@@ -139,6 +141,20 @@ def _serve_wrong_part(wrong: int, announce_it: bool) -> None:
         transfer.flatten = wrong_flatten
 
 
+def _cut_part_once(part_index: int) -> None:
+    honest_bytes = LeanHiveStateAverager._part_bytes
+    cut = []
+
+    def _part_bytes(self, snapshot, part, start, end):
+        if part == part_index and not cut:
+            cut.append(part)
+            logger.info("Cut part %d: none of its bytes sent", part)
+            return b""
+        return honest_bytes(self, snapshot, part, start, end)
+
+    LeanHiveStateAverager._part_bytes = _part_bytes
+
+
 def _round_after(parts: int, seconds: float) -> None:
     """A round of this donor starts after it served ``parts`` parts and runs ``seconds`` (the flag the host sets
     around a real gradient round, set here in the averager process): serving must pause meanwhile."""
@@ -205,6 +221,8 @@ def main(argv) -> int:
         _cut_streams(args.cut_bytes)
     if args.mode in ("wrong_part", "wrong_manifest"):
         _serve_wrong_part(args.wrong_part, args.mode == "wrong_manifest")
+    if args.mode == "cut_part":
+        _cut_part_once(args.wrong_part)
     if args.serve_rate > 0:
         _pace(args.serve_rate)
     if args.round_after_parts > 0:

@@ -145,6 +145,30 @@ def test_a_download_cut_off_resumes_with_the_missing_parts_only(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_the_only_donor_whose_part_was_cut_is_asked_again_and_the_download_resumes(tmp_path):
+    """The only donor cuts one part's stream (none of its bytes: a home donor's connection at its epoch's end): the
+    next try of the same request asks it again and fetches only the parts still missing. It used to be excluded for
+    the whole request, so every try failed and the peer trained on from its own state, missing rounds."""
+    run_id = "cut_part"
+    peers = start_donors(tmp_path, run_id, [("d1", ["--mode", "cut_part", "--wrong_part", "3"])])
+    joiner = None
+    try:
+        joiner = Joiner(run_id, peers[0].join, tmp_path / "joiner.log", load_state_attempts=3)
+        assert joiner.optimizer.load_state_checked()
+        text = joiner.log()
+        assert "Could not download part 3 of the state" in text and "(a cut connection)" in text, text
+        kept = re.search(r"Downloaded (\d+) of 25 parts", text)
+        assert kept and 0 < int(kept.group(1)) < 25, text
+        assert f"Resuming the download of epoch 0: {kept.group(1)} of 25 parts here" in text, text
+        assert parts_from(text) == {peers[0].peer_id: 25 - int(kept.group(1))}, text
+        assert same_state(joiner, tmp_path / "d1.pt")
+    finally:
+        if joiner is not None:
+            joiner.close()
+        kill_all(peers)
+
+
+@pytest.mark.timeout(300)
 def test_a_donor_serves_at_most_its_bound_of_joiners_and_tells_the_others_it_is_busy(tmp_path):
     run_id = "busy"
     peers = start_donors(tmp_path, run_id, [("d1", ["--max_joiners", "1", "--serve_rate", str(1_000_000)])])

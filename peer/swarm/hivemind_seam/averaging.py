@@ -825,7 +825,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         began = time.monotonic()
         deadline = began + settings.request_seconds(expected)
         asked, pauses = set(), 0
-        excluded = set()  # donors that failed or served a wrong part in this request: not asked again
+        excluded = set()  # donors that served a wrong part or state in this request: not asked again
         for attempt in range(1, settings.attempts + 1):
             candidates = [peer for peer in self._state_candidates() if peer not in asked and peer not in excluded]
             if not candidates and attempt > 1:

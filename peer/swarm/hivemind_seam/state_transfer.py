@@ -14,10 +14,11 @@ A mixin of ``LeanHiveStateAverager`` (its RPC and its download run in the averag
 - ``_download_in_parts``: manifests from up to ``max_donors + 2`` candidates; donors are grouped by root digest and
   the largest group is used (a donor alone against a majority is named and left out); up to ``max_donors`` of its
   donors fetch disjoint parts at once (``PartSchedule``), each part checked (size, digest) before it is kept; a donor
-  that fails, answers late or serves a part whose digest differs from the manifest is excluded for the rest of the
-  request and its parts move to the others (a reserve donor of the group steps in); the complete state is checked
-  as a whole (``check_downloaded_state``) before it is handed over. Parts already verified are kept for the next
-  request of the same root (the same epoch): a cut-off download resumes with the missing ones.
+  that fails or answers late leaves this try and its parts move to the others (a reserve donor of the group steps
+  in); the request's next try may ask it again and resumes. A donor that serves a part whose digest differs from the
+  manifest is excluded for the rest of the request. The complete state is checked as a whole
+  (``check_downloaded_state``) before it is handed over. Parts already verified are kept for the next try or request
+  of the same root (the same epoch): a cut-off download resumes with the missing ones.
 
 The manifest and every part come over the libp2p connection to the donor's peer ID (its secure channel is keyed by
 the donor's identity key): a wrong part is attributable to the donor that announced the digest it breaks.
@@ -265,7 +266,8 @@ class PartedStateTransfer:
 
     async def _download_in_parts(self, candidates: List[PeerID], excluded: Set[PeerID], deadline: float):
         """The state from up to ``max_donors`` donors of one root at once (module docstring); None if this request's
-        try failed (``excluded`` gains the donors that failed or lied); NoPartDonors if none offers parts."""
+        try failed (``excluded`` gains the donors that lied: a wrong part or state; one whose part failed may be asked
+        again by the next try, which resumes); NoPartDonors if none offers parts."""
         settings = self.download_settings
         layout, _ = self._layout()
         expected = self.state_bytes()
@@ -339,7 +341,8 @@ class PartedStateTransfer:
         received: Dict[PeerID, int] = {}
 
         async def worker(donor: PeerID) -> bool:
-            """Fetches parts until none is left for it; False if the donor failed or lied (excluded)."""
+            """Fetches parts until none is left for it; False if the donor failed (out of this try) or lied (out of
+            the request: ``excluded``)."""
             while True:
                 part = schedule.next_for(donor)
                 if part is None:
@@ -354,6 +357,9 @@ class PartedStateTransfer:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
+                    # its parts go to the others now; the next attempt may ask it again and resume (a cut connection
+                    # or a slow stretch is no lie; excluding it for the whole request failed every attempt when it was
+                    # the only donor)
                     logger.warning(
                         "Could not download part %d of the state from %s: %r; its parts go to the other donors",
                         part,
@@ -361,7 +367,6 @@ class PartedStateTransfer:
                         e,
                     )
                     schedule.exclude(donor)
-                    excluded.add(donor)
                     return False
                 received[donor] = received.get(donor, 0) + len(data)
                 if digest(data) != manifest.parts[part]:
