@@ -99,8 +99,6 @@ class Scenario:
     """NAT'd volunteers that join while the swarm trains, one every ``join_every`` s from ``join_every`` s in: each
     entry is that joiner's ``--max_donors`` (how many donors it takes its state from at once)."""
     join_every: float = 40.0
-    public_mbit: Optional[float] = None
-    """Public hosts' links (both directions; None: unlimited): donors on home-like uplinks."""
 
 
 SCENARIOS: Dict[str, Scenario] = {
@@ -240,7 +238,7 @@ class HomeSwarm:
             "peers": {},
         }
         homes = s.volunteers + len(s.joiners)
-        with HomeNetwork(public=1 + s.public_trainers, homes=homes, link=self.link, public_mbit=s.public_mbit) as net:
+        with HomeNetwork(public=1 + s.public_trainers, homes=homes, link=self.link) as net:
             self.net = net
             try:
                 self.say(f"[{s.key}] {s.title}: {net.prefix}, home lines {self.link.describe()}")
