@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -84,18 +83,9 @@ def _joiner(args) -> int:
     return 0
 
 
-def _parts(log: str) -> dict:
-    line = [row for row in log.splitlines() if "Downloaded the state" in row]
-    if not line:
-        return {}
-    return {
-        m.group(1): (int(m.group(2)), float(m.group(3)))
-        for m in re.finditer(r"(12D3\w+): (\d+) parts, ([\d.]+) MB", line[-1])
-    }
-
-
 def measure(args) -> List[dict]:
     from benchmarks.testbed.netem.hosts import Testbed
+    from benchmarks.testbed.state_donor import download_shares
 
     if args.preset:
         # glibc keeps the freed copies a peer makes of a large state (the host process's answer, the flattened
@@ -156,7 +146,7 @@ def measure(args) -> List[dict]:
             )  # fmt: skip
             out, _ = process.communicate(timeout=args.timeout)
             result = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
-            parts = _parts(log_path.read_text())
+            parts = download_shares(log_path.read_text())
             rows.append(
                 dict(
                     donors=count,

@@ -43,12 +43,12 @@ from benchmarks.report import markdown_table
 from benchmarks.testbed.faults.swarm import _line_time
 from benchmarks.testbed.home.network import HomeLink, home_network_unavailable_reason
 from benchmarks.testbed.home_swarm import HEALTH_RE, HomeSwarm, Scenario
+from benchmarks.testbed.state_donor import download_shares
 
 MEASURED = Path(__file__).resolve().parents[1] / "measured" / "join_swarm.json"
 DOWNLOAD_RE = re.compile(
     r"Downloaded the state \(([\d.]+) MB, epoch (\d+)\) in (\d+) parts from (\d+) donor\(s\) in ([\d.]+) s: ([^\n]*)"
 )
-DONOR_RE = re.compile(r"(\w{40,}): (\d+) parts, ([\d.]+) MB")
 DIFFERS_RE = re.compile(r"Not using the state from \S+: (it differs|its digest)")
 MAX_LOST_ROUNDS = 1
 TARGET_RATIO = 0.4
@@ -79,7 +79,8 @@ class JoinSwarm(HomeSwarm):
             started = peer.process.events.last("dht_started")
             if started:
                 names[started["peer_id"]] = peer.name
-        result["joins"] = [self._join(peer, names) for peer in self.peers if peer.role == "joiner"]
+        epoch = self._epoch_seconds()
+        result["joins"] = [self._join(peer, names, epoch) for peer in self.peers if peer.role == "joiner"]
         return result
 
     def _tick(self, began: float) -> None:
@@ -102,7 +103,7 @@ class JoinSwarm(HomeSwarm):
                 gaps += [b - a for a, b in zip(times, times[1:])]
         return statistics.median(gaps) if gaps else 10.0
 
-    def _join(self, joiner, names: Dict[str, str]) -> dict:
+    def _join(self, joiner, names: Dict[str, str], epoch: float) -> dict:
         log = joiner.process.log()
         found = DOWNLOAD_RE.search(log)
         entry: dict = {"joiner": joiner.name, "max_donors": joiner.info.get("max_donors"), "downloaded": bool(found)}
@@ -111,11 +112,7 @@ class JoinSwarm(HomeSwarm):
         ended = _line_time(log, found.start())
         seconds = float(found.group(5))
         began = ended - seconds
-        epoch = self._epoch_seconds()
-        donors = {
-            names.get(m.group(1), m.group(1)[:12]): (int(m.group(2)), float(m.group(3)))
-            for m in DONOR_RE.finditer(found.group(6))
-        }
+        donors = {names.get(peer, peer[:12]): share for peer, share in download_shares(found.group(0)).items()}
         entry.update(
             megabytes=float(found.group(1)),
             epoch=int(found.group(2)),

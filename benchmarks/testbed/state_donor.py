@@ -34,7 +34,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import AsyncIterator, List, Optional
+from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 import hivemind
 import torch
@@ -336,10 +336,23 @@ def same_state(joiner: Joiner, donor_file: Path) -> bool:
     return len(served) == len(got) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(served, got))
 
 
+DONOR_SHARE_RE = re.compile(r"(\w{40,}): (\d+) parts, ([\d.]+) MB")
+"""A donor's share in a joiner's 'Downloaded the state ... in N parts from K donor(s) ...' line (peer IDs of both key
+types: RSA's Qm..., Ed25519's 12D3...)."""
+
+
+def download_shares(text: str) -> Dict[str, Tuple[int, float]]:
+    """peer ID -> (parts, MB) it delivered, from the last 'Downloaded the state ... in N parts' line of ``text``
+    (empty if there is none)."""
+    lines = [row for row in text.splitlines() if "Downloaded the state" in row]
+    if not lines:
+        return {}
+    return {m.group(1): (int(m.group(2)), float(m.group(3))) for m in DONOR_SHARE_RE.finditer(lines[-1])}
+
+
 def parts_from(text: str) -> dict:
     """peer ID -> parts it delivered, from the joiner's last 'Downloaded the state ... in N parts' line."""
-    line = [row for row in text.splitlines() if "Downloaded the state" in row][-1]
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"(12D3\w+): (\d+) parts", line)}
+    return {peer: parts for peer, (parts, _) in download_shares(text).items()}
 
 
 if __name__ == "__main__":
