@@ -266,6 +266,7 @@ class LocalTraining:
 
     def end_epoch(self) -> None:
         if self.optimizer.missed_round:
+            events.emit("round_missed", epoch=self.optimizer.local_epoch)
             resync_after_missed_round(self.optimizer, self.watchdog)
         if self.agreement.pending():  # the previous round's check, when this round was shorter than its wait
             self._follow_agreement()

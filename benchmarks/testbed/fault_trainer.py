@@ -91,7 +91,9 @@ class FaultyTrainerPeer(TrainerPeer):
         return loss_sum
 
     def _after_update(self, new_epoch: int) -> None:
-        injection.maybe_save_parameters(self.model, new_epoch)
+        # labelled by the epoch the parameters are at now: a state loaded in end_epoch (a missed round's re-sync)
+        # may carry a later epoch than the round's, and then this peer ends no round labelled with that epoch
+        injection.maybe_save_parameters(self.model, self.optimizer.local_epoch)
         injection.maybe_corrupt_parameters(self.model, new_epoch)
         super()._after_update(new_epoch)  # NaN/inf check and recovery, periodic backup
 

@@ -54,18 +54,23 @@ def test_two_local_mode_peers_agree_and_a_sync_peer_is_refused(tmp_path, swarm):
     # both took part in most rounds (not one peer alone), and end every round with the same shared parameters
     assert len(set(epoch_losses(first)) & set(epoch_losses(second))) >= int(epochs) // 2
     assert max_param_difference([tmp_path / "a", tmp_path / "b"]) <= 1e-6
-    _equal_after_every_round(tmp_path, int(epochs))
+    _equal_after_every_round(tmp_path, int(epochs), [first, second])
 
 
-def _equal_after_every_round(tmp_path, epochs: int) -> set:
-    """Trainers a and b hold the same shared parameters (<= 1e-6) after every round both finished but the first, in
-    at least half of the rounds; returns those rounds. The first round both finished is the joiner's first: it
-    started it from a state downloaded while the other peer was inside that round (fault scenario y sees the same),
-    so equality holds from the next round on."""
+def _equal_after_every_round(tmp_path, epochs: int, peers) -> set:
+    """Trainers a and b hold the same shared parameters (<= 1e-6) after every round both took part in but the
+    first, in at least half of the rounds; returns those rounds. The first round both finished is the joiner's first:
+    it started it from a state downloaded while the other peer was inside that round (fault scenario y sees the
+    same), so equality holds from the next round on. A round that a peer missed (``round_missed``: its all-reduce
+    failed, e.g. no group formed in time on a busy machine, and it stepped alone) ended with no shared result: the
+    peer then loads the other's state, or the round agreement's vote repairs it; the next round both took part in
+    must end equal again, so the repair is checked there."""
     differences = trainers.round_param_differences(tmp_path, "ab")
-    later = {epoch: value for epoch, value in differences.items() if epoch > min(differences)}
-    assert len(later) >= epochs // 2, f"rounds both peers finished: {sorted(differences)}"
-    assert max(later.values()) <= 1e-6, f"shared parameters differ after a round: {differences}"
+    missed = {int(event["epoch"]) for peer in peers for event in peer.events.all("round_missed")}
+    later = {epoch: value for epoch, value in differences.items() if epoch > min(differences) and epoch not in missed}
+    rounds = f"rounds both peers finished: {sorted(differences)}, rounds a peer missed: {sorted(missed)}"
+    assert len(later) >= epochs // 2, rounds
+    assert max(later.values()) <= 1e-6, f"shared parameters differ after a round: {differences}; {rounds}"
     return set(later)
 
 
@@ -89,7 +94,7 @@ def test_an_aux_peer_checkpoints_the_shared_state(tmp_path, swarm, variant):
     swarm.append(second)
     assert wait_all([first, second], timeout=300) == [0, 0]
 
-    later = _equal_after_every_round(tmp_path, int(epochs))
+    later = _equal_after_every_round(tmp_path, int(epochs), [first, second])
     compared = 0
     for name in checkpoint_dirs(tmp_path):
         epoch = int(name.split("_")[1].split(".")[0])
