@@ -132,7 +132,8 @@ def test_a_round_is_named_by_its_group_where_the_asker_was_in_one(swarm):
 def test_a_late_peer_takes_the_round_it_missed_after_the_server_began_its_next_round(swarm):
     """A server's next round overwrites its averaged tensors; the result they held is served on as its previous
     one (``retire_result``), by epoch and by group, so a peer that asks a second late takes the round it missed, not
-    nothing and not the next round. The round before that is gone."""
+    nothing and not the next round, also while the servers' next all-reduce runs (hivemind holds their averaged
+    tensors' lock for its whole length). The round before that is gone."""
     honest, other, _, late, grouped, older, *_ = swarm
     result = tensor_of(honest)
     norm = float(result.norm())
@@ -145,13 +146,21 @@ def test_a_late_peer_takes_the_round_it_missed_after_the_server_began_its_next_r
     assert honest.previous_epoch.value == EPOCH and bytes(honest.previous_group.raw) == digest
     peers = [honest.peer_id, other.peer_id]
 
-    used = late.fetch_round_result(epoch=EPOCH, candidates=peers, max_norm=10 * norm, timeout=20, outside_group=True)
-    assert used is not None and len(used) == 2 and torch.equal(tensor_of(late), result)
-    assert late.result_epoch.value == EPOCH  # the round it missed, not the next label's
+    for server in (honest, other):  # their all-reduce of round EPOCH + 1 runs while the late peers ask
+        assert server.lock_averaged_tensors.acquire(timeout=10)
+    try:
+        used = late.fetch_round_result(
+            epoch=EPOCH, candidates=peers, max_norm=10 * norm, timeout=20, outside_group=True
+        )
+        assert used is not None and len(used) == 2 and torch.equal(tensor_of(late), result)
+        assert late.result_epoch.value == EPOCH  # the round it missed, not the next label's
 
-    grouped.formed_group.raw, grouped.formed_epoch.value = digest, EPOCH - 1  # by its group, under a lagging label
-    used = grouped.fetch_round_result(epoch=EPOCH - 1, candidates=peers, max_norm=10 * norm, timeout=20)
-    assert used is not None and torch.equal(tensor_of(grouped), result)
+        grouped.formed_group.raw, grouped.formed_epoch.value = digest, EPOCH - 1  # by its group, under a lagging label
+        used = grouped.fetch_round_result(epoch=EPOCH - 1, candidates=peers, max_norm=10 * norm, timeout=20)
+        assert used is not None and torch.equal(tensor_of(grouped), result)
+    finally:
+        for server in (honest, other):
+            server.lock_averaged_tensors.release()
 
     # round EPOCH + 1 ends with a result; round EPOCH's is then two rounds old and no longer served
     for server in (honest, other):

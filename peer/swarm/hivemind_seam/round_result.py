@@ -133,6 +133,10 @@ class RoundResultSharing:
         self.previous_epoch = mp.Value("q", -1)
         self.previous_group = mp.Array("c", GROUP_DIGEST)
         self._previous: Optional[Tuple[torch.Tensor, ...]] = None
+        self._previous_lock = mp.Lock()
+        """Guards ``_previous``. Not ``lock_averaged_tensors``: hivemind holds that for a whole all-reduce, and the
+        previous result is asked for exactly while this peer's next round runs (it was served only after that round
+        ended, too late: a home volunteer that missed round 0 found nothing and stepped 0.02 apart for the run)."""
         """The result held before this peer's next round loaded its gradients over it (round ``previous_epoch`` of
         ``previous_group``): a peer that comes late for a round still finds it here (``retire_result``)."""
         self.own_round = False
@@ -165,7 +169,7 @@ class RoundResultSharing:
         held = self.result_epoch.value
         if self._previous is None or held < 0:
             return
-        with self.lock_averaged_tensors:
+        with self.lock_averaged_tensors, self._previous_lock:
             self.previous_epoch.value = -1
             for target, value in zip(self._previous, self._averaged_tensors):
                 target.copy_(value)
@@ -294,10 +298,11 @@ class RoundResultSharing:
             self._serving -= 1
 
     def _encoded_result(self, held: "_Held"):
-        """(an executor thread) The result ``held`` as served (None once it was overwritten, or while the averaged
-        tensors stay locked); copied under the lock, encoded outside it, so this peer's next round never waits for
-        an asker."""
-        if not self.lock_averaged_tensors.acquire(timeout=LOCK_WAIT):
+        """(an executor thread) The result ``held`` as served (None once it was overwritten, or while its tensors
+        stay locked: the current result's while an all-reduce runs); copied under its lock, encoded outside it, so
+        this peer's next round never waits for an asker."""
+        lock = self.lock_averaged_tensors if held.slot == "current" else self._previous_lock
+        if not lock.acquire(timeout=LOCK_WAIT):
             return None
         try:
             if held not in self._held():
@@ -305,7 +310,7 @@ class RoundResultSharing:
             source = self._averaged_tensors if held.slot == "current" else self._previous
             result = [t.detach().clone() for t in source]
         finally:
-            self.lock_averaged_tensors.release()
+            lock.release()
         return [self._encode(i, t) for i, t in enumerate(result)]
 
     def _write_result(self, epoch: int, tensors: Sequence[torch.Tensor], timeout: float) -> bool:
