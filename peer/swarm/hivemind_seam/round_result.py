@@ -133,12 +133,11 @@ class RoundResultSharing:
         self.previous_epoch = mp.Value("q", -1)
         self.previous_group = mp.Array("c", GROUP_DIGEST)
         self._previous: Optional[Tuple[torch.Tensor, ...]] = None
-        self._previous_lock = mp.Lock()
-        """Guards ``_previous``. Not ``lock_averaged_tensors``: hivemind holds that for a whole all-reduce, and the
-        previous result is asked for exactly while this peer's next round runs (it was served only after that round
-        ended, too late: a home volunteer that missed round 0 found nothing and stepped 0.02 apart for the run)."""
         """The result held before this peer's next round loaded its gradients over it (round ``previous_epoch`` of
         ``previous_group``): a peer that comes late for a round still finds it here (``retire_result``)."""
+        self._previous_lock = mp.Lock()
+        """Guards ``_previous``. Not ``lock_averaged_tensors``: hivemind holds that for a whole all-reduce, and the
+        previous result is asked for exactly while this peer's next round runs."""
         self.own_round = False
         """(host) The next gradients loaded are this peer's own step for the swarm: it saw no other peer."""
         self._last_group: frozenset = frozenset()  # (averager process) the members of the last whole-result round
