@@ -225,6 +225,8 @@ class LocalTraining:
             outer_state=lambda: outer_momentum(optimizer),
             votes=not client_mode,  # a client cannot serve its state: it follows the vote
             tolerance=tolerance_for(collab.compression),
+            # a failed attempt ends when its wait does, up to this long after the others' all-reduce ended
+            missed_round_seconds=collab.matchmaking_time + 2 * collab.averaging_timeout,
         )
         return cls(
             optimizer=optimizer,
@@ -265,14 +267,32 @@ class LocalTraining:
         self.model.zero_grad(set_to_none=False)  # hivemind refuses zero_grad with the averager's reuse_grad_buffers
 
     def end_epoch(self) -> None:
-        if self.optimizer.missed_round:
+        # a missed round was dropped (LeanHiveOptimizer._missed): this peer downloads the state of the peers whose
+        # round fingerprints differ from its own (they made the round), or the swarm's where it finds none
+        missed, self.optimizer.missed_round = self.optimizer.missed_round, False
+        if missed:
             events.emit("round_missed", epoch=self.optimizer.local_epoch)
-            resync_after_missed_round(self.optimizer, self.watchdog)
+            logger.warning(
+                "Missed the all-reduce before round %d: dropped this round's local steps (no outer step alone)",
+                self.optimizer.local_epoch,
+            )
         if self.agreement.pending():  # the previous round's check, when this round was shorter than its wait
             self._follow_agreement()
         loads = self.optimizer.state_loads
-        self.agreement.round_ended(self.optimizer.local_epoch, state_replaced=loads != self._state_loads_seen)
+        self.agreement.round_ended(
+            self.optimizer.local_epoch, state_replaced=loads != self._state_loads_seen, missed=missed
+        )
         self._state_loads_seen = loads
+        if missed:
+            # at once, not SETTLE_SECONDS later: the peers that made the round ended it before this peer's attempt
+            # gave up, so their fingerprints are there
+            self._follow_agreement()
+            if not self.agreement.records_compared and self.optimizer.tracker.global_progress.num_clients > 0:
+                # none, but client-mode trainers report progress: they publish no fingerprints, and one may have
+                # made the round with an aux peer, whose state is then ahead. Without clients, no record means
+                # nobody made the round: every trainer dropped it and holds this peer's parameters (downloading
+                # them anyway made each peer late for the next round: two peers could miss every round of a run)
+                resync_after_missed_round(self.optimizer, self.watchdog)
 
     def learning_rate(self) -> float:
         return self.inner_optimizer.param_groups[0]["lr"]

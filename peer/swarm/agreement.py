@@ -27,6 +27,14 @@ state averaging round. This module finds and repairs such a disagreement, with o
    loaded the state while the others were ending a round, and averaged a pseudo-gradient of the older base. It
    downloads from them (their epoch is ahead, so hivemind accepts their state; the reverse would be refused).
 
+5. A peer that missed the round (its all-reduce failed and it dropped the round, ``LeanHiveOptimizer._missed``)
+   publishes none either, and follows the records of that epoch that ended up to ``missed_round_seconds`` before
+   or after its attempt gave up (an attempt fails only when its wait is over): if peers made the round, their
+   shared parameters moved by an outer step and it downloads theirs. With no record to follow, nobody made the
+   round (two peers that found no group) and nothing is loaded, unless client-mode trainers report progress: they
+   publish no fingerprints and one may have made the round with an aux peer, so the trainer takes the swarm's state
+   as any missed round did before (peer.strategies).
+
 Every record is untrusted: the schema bounds its size, a peer ID claimed twice counts for neither, a sample with
 NaN/inf values or of the wrong size is ignored, and a vote can only make a peer download once per round from peers
 that declared their state (the download itself is checked as any other, see LeanHiveStateAverager).
@@ -149,21 +157,28 @@ class RoundAgreement:
         *,
         votes: bool,
         tolerance: float,
+        missed_round_seconds: float = SAME_ROUND_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.dht, self.run_id, self.public_key, self.shared = dht, run_id, public_key, tuple(shared)
         self.outer_state = outer_state  # read at each round's end: a state download replaces these tensors
         self.votes, self.tolerance, self.clock = votes, tolerance, clock
+        self.missed_round_seconds = max(SAME_ROUND_SECONDS, missed_round_seconds)
         self.peer_id = dht.peer_id.to_bytes()
         self._history: deque = deque(maxlen=FINGERPRINT_HISTORY)
-        self._pending: Optional[Tuple[int, torch.Tensor, float, float]] = None  # epoch, own, ended (clock, DHT)
+        # epoch, own, ended (clock, DHT), how far apart the others' records of the round may have ended
+        self._pending: Optional[Tuple[int, torch.Tensor, float, float, float]] = None
+        self.records_compared = 0  # the other peers' fingerprints the last check compared with (same or next epoch)
 
-    def round_ended(self, epoch: int, state_replaced: bool) -> None:
+    def round_ended(self, epoch: int, state_replaced: bool, missed: bool = False) -> None:
         """The round that ended at ``epoch`` is over: fingerprint it, and publish unless this peer's state was
-        replaced during it (then it only follows the others' vote)."""
+        replaced during it or it ``missed`` the round (its all-reduce failed and it dropped the round); then it only
+        follows the vote of the peers that made it, whose round may have ended up to ``missed_round_seconds``
+        before this peer's attempt gave up."""
         own, ended = fingerprint([*self.shared, *self.outer_state()]), get_dht_time()
-        self._pending = (epoch, own, self.clock(), ended)
-        if not self.votes or state_replaced:
+        window = self.missed_round_seconds if missed else SAME_ROUND_SECONDS
+        self._pending = (epoch, own, self.clock(), ended, window)
+        if not self.votes or state_replaced or missed:
             return
         self._history.append(RoundFingerprint(epoch=epoch, ended=ended, sample=own.numpy().tobytes()))
         record = RoundFingerprints(peer_id=self.peer_id, rounds=list(self._history))
@@ -184,8 +199,8 @@ class RoundAgreement:
         this peer agrees with the winner)."""
         if self._pending is None:
             return None, []
-        epoch, own, _, ended = self._pending
-        self._pending = None
+        epoch, own, _, ended, window = self._pending
+        self._pending, self.records_compared = None, 0
         try:
             same = fetch_fingerprints(self.dht, self.run_id, epoch, timeout=READ_TIMEOUT)
             later = fetch_fingerprints(self.dht, self.run_id, epoch + 1, timeout=READ_TIMEOUT)
@@ -199,7 +214,8 @@ class RoundAgreement:
             sorted(round(r.ended, 2) for r in same.values()),
             sorted(round(r.ended, 2) for r in later.values()),
         )
-        others, ahead = self._same_round(same, ended), self._same_round(later, ended)
+        others, ahead = self._same_round(same, ended, window), self._same_round(later, ended, SAME_ROUND_SECONDS)
+        self.records_compared = len(others) + len(ahead)
         ahead = [peer for peer, sample in ahead.items() if not agree(own, sample, self.tolerance)]
         if ahead and not others:
             # the same all-reduce, but labelled one epoch further: this peer loaded the state while the others were
@@ -223,11 +239,13 @@ class RoundAgreement:
             )
         return epoch, sources
 
-    def _same_round(self, records: Mapping[bytes, RoundFingerprint], ended: float) -> Dict[bytes, torch.Tensor]:
-        """The other peers' well-formed fingerprints of a round that ended within ``SAME_ROUND_SECONDS`` of ours."""
+    def _same_round(
+        self, records: Mapping[bytes, RoundFingerprint], ended: float, window: float
+    ) -> Dict[bytes, torch.Tensor]:
+        """The other peers' well-formed fingerprints of a round that ended within ``window`` seconds of ours."""
         found = {}
         for peer, record in records.items():
             decoded = decode_sample(record.sample)
-            if decoded is not None and peer != self.peer_id and abs(record.ended - ended) <= SAME_ROUND_SECONDS:
+            if decoded is not None and peer != self.peer_id and abs(record.ended - ended) <= window:
                 found[peer] = decoded
         return found

@@ -13,8 +13,10 @@ flushed as it happens. The events and their fields:
   ``now_at``, ``peers`` (the peers the progress tracker counted at the epoch's end, this one included),
   ``repaired_rounds`` (so far: rounds this trainer missed and took the result of from peers that took them)
 - ``round_missed`` (trainer, ``--sync_mode local``): ``epoch``: this peer's all-reduce failed while other peers
-  were online (no group formed in time, its group went on without it), so it stepped alone to ``epoch``; it loads
-  the swarm's state next (a ``state_loaded`` with reason "missed_round" when that succeeds)
+  were online (no group formed in time, its group went on without it), so it dropped the round: at ``epoch`` its
+  shared parameters are those the round started from; it then downloads the state of the peers whose round
+  fingerprints differ from its own (a ``state_loaded`` with reason "disagreement"), or, finding none while
+  client-mode trainers take part, the swarm's (reason "missed_round")
 - ``backup_written`` (trainer) / ``checkpoint_saved`` (aux peer): ``epoch``, ``path``
 - ``backup_failed`` (trainer, e.g. a full disk; retried at the next epoch): ``epoch``, ``path``, ``error``
 - ``offering_checkpoint`` (aux peer, no trainer online): ``epoch``

@@ -161,3 +161,47 @@ def test_a_peer_that_ended_a_round_one_epoch_label_behind_downloads_from_the_pee
     finally:
         for dht in dhts:
             dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_missed_a_round_follows_the_peers_that_made_it_and_publishes_nothing():
+    """A trainer whose all-reduce failed drops the round (its shared parameters stay where the round began) and gives
+    up only when its wait is over, seconds after the others' all-reduce ended: it compares with their records over
+    that longer window, and downloads from them where they moved. It publishes no record of the round, so it never
+    outvotes them. Where no peer published a record of the round there is nothing to compare with (the trainer then
+    takes the swarm's state, peer.strategies)."""
+    run_id = "missed"
+    dhts, agreements = [], []
+    try:
+        for value in (2.0, 2.0, 1.0):
+            validators, public = make_validators(run_id, RSAPrivateKey())
+            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
+            dht = hivemind.DHT(start=True, record_validators=validators, initial_peers=initial)
+            dhts.append(dht)
+            shared = [torch.full((100,), value)]
+            agreements.append(
+                agreement.RoundAgreement(
+                    dht, run_id, public, shared, votes=True, tolerance=TOL, missed_round_seconds=10.0
+                )
+            )
+        first, second, missed = agreements
+        first.round_ended(epoch=3, state_replaced=False)
+        second.round_ended(epoch=3, state_replaced=False)
+        time.sleep(2 * agreement.SAME_ROUND_SECONDS)  # its failed attempt gave up later than their round ended
+        missed.round_ended(epoch=3, state_replaced=False, missed=True)
+        time.sleep(agreement.SETTLE_SECONDS)
+        assert sorted(missed.check()[1]) == sorted(dht.peer_id.to_bytes() for dht in dhts[:2])
+        assert missed.records_compared == 2
+        assert first.check() == (3, []) and second.check() == (3, [])
+        assert set(fetch_fingerprints(dhts[0], run_id, 3, timeout=5)) == {d.peer_id.to_bytes() for d in dhts[:2]}
+
+        # a round nobody made: the peers that missed it publish nothing and follow nobody
+        for peer in agreements:
+            peer.round_ended(epoch=4, state_replaced=False, missed=True)
+        time.sleep(agreement.SETTLE_SECONDS)
+        assert [peer.check() for peer in agreements] == [(4, [])] * 3
+        assert [peer.records_compared for peer in agreements] == [0, 0, 0]  # the trainer takes the swarm's state
+        assert fetch_fingerprints(dhts[0], run_id, 4, timeout=5) == {}
+    finally:
+        for dht in dhts:
+            dht.shutdown()

@@ -9,6 +9,7 @@ import inspect
 import logging
 import re
 import textwrap
+import time
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -22,7 +23,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from peer.swarm import hivemind_seam
-from peer.swarm.hivemind_seam import averaging, dht, progress, sparse_wire
+from peer.swarm.hivemind_seam import averaging, dht, matchmaking, progress, sparse_wire
 from peer.swarm.round_wait import RoundWait
 
 pytestmark = pytest.mark.deps  # scripts/test.sh --newest/--oldest run these
@@ -89,7 +90,7 @@ def test_every_override_is_listed_in_the_seam():
     listed = {(cls, name) for cls, name, _ in hivemind_seam.OVERRIDDEN_METHODS}
     ours = [
         value
-        for module in (dht, averaging, progress, sparse_wire)
+        for module in (dht, averaging, matchmaking, progress, sparse_wire)
         for value in vars(module).values()
         if inspect.isclass(value) and value.__module__ == module.__name__
     ]
@@ -202,6 +203,50 @@ def test_phase_observers_see_each_all_reduce_round_in_the_averager_process(tmp_p
     rounds = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["phase"] for r in rounds] == ["grad_allreduce", "grad_allreduce"]
     assert all(r["pid"] != os.getpid() and r["seconds"] >= 0 for r in rounds)
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_that_waited_its_whole_window_assembles_a_follower_that_came_in_its_last_second():
+    """Two averagers whose steps began 3 s apart, with windows of 4 s: the first waits alone as leader, the second
+    joins it a second before its deadline. hivemind 1.1.12 gave up at that deadline with the follower in hand
+    (both "could not find a group"); our leader ends its search a margin earlier and assembles the two
+    (peer.swarm.hivemind_seam.matchmaking)."""
+    import torch
+    from hivemind.utils import get_dht_time
+
+    dhts = [hivemind.DHT(start=True)]
+    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
+    averagers = []
+    try:
+        for dht in dhts:
+            params = [torch.nn.Parameter(torch.zeros(4))]
+            averagers.append(
+                averaging.LeanHiveGradientAverager(
+                    params,
+                    dht=dht,
+                    prefix="late_follower",
+                    min_matchmaking_time=1.0,
+                    reuse_grad_buffers=False,
+                    start=True,
+                )
+            )
+        for index, averager in enumerate(averagers):
+            averager.parameters[0].grad = torch.full((4,), float(index + 1))
+            averager.accumulate_grads_(batch_size=1)
+        window = 4.0
+        leader = averagers[0].schedule_step(get_dht_time() + 0.5, timeout=window)
+        averagers[0].step(control=leader, wait=False)
+        time.sleep(leader.deadline - get_dht_time() - 1.0)
+        follower = averagers[1].schedule_step(get_dht_time() + 1.0, timeout=window)
+        averagers[1].step(control=follower, wait=False)
+        assert len(leader.result(timeout=30)) == 2 and len(follower.result(timeout=30)) == 2
+        with averagers[0].use_averaged_gradients() as grads:
+            assert torch.allclose(grads[0], torch.full((4,), 1.5))  # the round happened
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
 
 
 def test_round_outcome_says_how_a_round_ended():

@@ -4,8 +4,10 @@ round with H = 1, outer lr 1 and no momentum equals parameter averaging after ea
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from typing import Iterator
 
 import hivemind
 import pytest
@@ -13,6 +15,7 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from benchmarks.testbed.processes import share_tensors_by_file_descriptor
+from peer.strategies import outer_momentum
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
 from peer.swarm.hivemind_seam import PseudoGradientAverager
 from peer.swarm.keys import averager_prefixes, gradient_prefix_of_mode
@@ -89,10 +92,39 @@ OPTIM = OptimizerArguments(learning_rate=1e-2, warmup_steps=0, total_steps=100, 
 BATCH = 8
 
 
+@contextlib.contextmanager
+def two_local_peers(collab: CollaborationArguments, run_id: str) -> Iterator[list]:
+    """Two real local-mode optimizers, each with its own DHT (and hivemind's averager processes), on 127.0.0.1:
+    ``[(model, optimizer, inner optimizer), ...]``; shut down on exit."""
+    share_tensors_by_file_descriptor()
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    peers = []
+    try:
+        for dht in (first, second):
+            model = _model()
+            optimizer = build_optimizer(
+                model=model,
+                dht=dht,
+                run_id=run_id,
+                signing_key=RSAPrivateKey(),
+                batch_size_per_step=BATCH,
+                collab=collab,
+                optim=OPTIM,
+                client_mode=False,
+            )
+            peers.append((model, optimizer, make_inner_optimizer(model, OPTIM)))
+        yield peers
+    finally:
+        for _, optimizer, _ in peers:
+            optimizer.shutdown()
+        second.shutdown()
+        first.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging():
-    share_tensors_by_file_descriptor()
     collab = CollaborationArguments(
         sync_mode="local",
         outer_learning_rate=1.0,
@@ -103,24 +135,9 @@ def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging
         compression="none",
         contribution_clip=0.0,  # the plain mean: exactly what parameter averaging is
     )
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-    peers = []
-    try:
-        for dht in (first, second):
-            model = _model()
-            optimizer = build_optimizer(
-                model=model,
-                dht=dht,
-                run_id="local_mode_unit",
-                signing_key=RSAPrivateKey(),
-                batch_size_per_step=BATCH,
-                collab=collab,
-                optim=OPTIM,
-                client_mode=False,
-            )
+    with two_local_peers(collab, "local_mode_unit") as peers:
+        for _, optimizer, _ in peers:
             assert optimizer.local_updates and isinstance(optimizer.grad_averager, PseudoGradientAverager)
-            peers.append((model, optimizer, make_inner_optimizer(model, OPTIM)))
 
         for round_index in range(2):
             locals_after_step = []
@@ -150,8 +167,39 @@ def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging
                 shared = optimizer.grad_averager.shared_parameters
                 for got, param in zip(shared, optimizer.state_averager.main_parameters):
                     torch.testing.assert_close(got, want_of[id(param)], rtol=0, atol=1e-6)
-    finally:
-        for _, optimizer, _ in peers:
-            optimizer.shutdown()
-        second.shutdown()
-        first.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_round_whose_all_reduce_failed_is_dropped_not_stepped_alone():
+    """A trainer whose all-reduce failed while another peer was online (here the other reports its samples and
+    never averages) takes no outer step with its own pseudo-gradient: its shared parameters and outer momentum stay
+    where the round began, and its model goes back to them. So two peers that both miss a round still hold the same
+    shared parameters, with no download (peer.swarm.hivemind_seam.LeanHiveOptimizer._missed)."""
+    collab = CollaborationArguments(
+        sync_mode="local",
+        target_batch_size=2 * BATCH,
+        matchmaking_time=1.0,
+        averaging_timeout=3.0,
+        compression="none",
+    )
+    with two_local_peers(collab, "local_mode_missed") as peers:
+        (model, optimizer, inner), (_, silent, _) = peers
+        start = [p.detach().clone() for p in model.parameters()]
+        momentum = [m.clone() for m in outer_momentum(optimizer)]
+        silent.step(batch_size=BATCH)  # reports its samples, then never steps again: it joins no group
+        _local_step(model, inner, data_seed=0, epoch=0)
+        assert any(not torch.equal(p, s) for p, s in zip(model.parameters(), start))
+        deadline = time.monotonic() + 60
+        optimizer.step(batch_size=BATCH)
+        while optimizer.local_epoch == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            optimizer.step(batch_size=0)
+        assert optimizer.local_epoch == 1 and optimizer.missed_round
+        for got, want in zip(model.parameters(), start):
+            torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+        by_id = {id(param): want for param, want in zip(model.parameters(), start)}
+        for shared, param in zip(optimizer.grad_averager.shared_parameters, optimizer.state_averager.main_parameters):
+            torch.testing.assert_close(shared, by_id[id(param)], rtol=0, atol=0)
+        after = outer_momentum(optimizer)
+        assert len(after) == len(momentum) and all(torch.equal(a, b) for a, b in zip(after, momentum))

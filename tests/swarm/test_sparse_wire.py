@@ -237,31 +237,10 @@ def _two_peer_rounds(collab, rounds: int = 2, after=None):
     import threading
     import time
 
-    import hivemind
-    from hivemind.utils.crypto import RSAPrivateKey
+    from tests.swarm.test_local_mode import BATCH, _local_step, two_local_peers
 
-    from benchmarks.testbed.processes import share_tensors_by_file_descriptor
-    from peer.swarm.optimizer import build_optimizer, make_inner_optimizer
-    from tests.swarm.test_local_mode import BATCH, OPTIM, _local_step, _model
-
-    share_tensors_by_file_descriptor()
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-    peers, history = [], []
-    try:
-        for dht in (first, second):
-            model = _model()
-            optimizer = build_optimizer(
-                model=model,
-                dht=dht,
-                run_id=f"sparse_wire_{collab.outer_compression}",
-                signing_key=RSAPrivateKey(),
-                batch_size_per_step=BATCH,
-                collab=collab,
-                optim=OPTIM,
-                client_mode=False,
-            )
-            peers.append((model, optimizer, make_inner_optimizer(model, OPTIM)))
+    history = []
+    with two_local_peers(collab, f"sparse_wire_{collab.outer_compression}") as peers:
 
         def finish_round(optimizer):
             epoch, deadline = optimizer.local_epoch, time.monotonic() + 60
@@ -289,11 +268,6 @@ def _two_peer_rounds(collab, rounds: int = 2, after=None):
         if after is not None:
             after(peers)
         return history, buffers
-    finally:
-        for _, optimizer, _ in peers:
-            optimizer.shutdown()
-        second.shutdown()
-        first.shutdown()
 
 
 @pytest.mark.slow

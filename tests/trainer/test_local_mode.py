@@ -58,18 +58,33 @@ def test_two_local_mode_peers_agree_and_a_sync_peer_is_refused(tmp_path, swarm):
 
 
 def _equal_after_every_round(tmp_path, epochs: int, peers) -> set:
-    """The two trainers ``peers`` hold the same shared parameters (<= 1e-6) after every round both finished but the
-    first, in at least half of the rounds; returns those rounds. The first round both finished is the joiner's first:
-    it started it from a state downloaded while the other peer was inside that round (fault scenario y sees the
-    same), so equality holds from the next round on. A failure names the rounds a peer missed (``round_missed``: its
-    all-reduce failed and it stepped alone, then loaded the other's state)."""
+    """The two trainers ``peers`` hold the same shared parameters (<= 1e-6) after every round both finished once
+    each had trained a round of its own, in at least half of the rounds, and averaged (neither missed) at least a
+    third of them; returns those rounds. A trainer's first round is the first it began from its own epoch and ended
+    one epoch on (``epoch_done``); the joiner's first started from a state downloaded while the other peer was
+    inside that round (fault scenario y sees the same; a download that caught it up to the swarm's epoch counts as
+    no round of its own), so equality holds from the next round on. A round a peer missed (``round_missed``: its
+    all-reduce failed) is dropped by it: its shared parameters stay the round's start, as the other's do when that
+    one missed it too; a failure names those rounds."""
     differences = trainers.round_param_differences(tmp_path, [peer.name for peer in peers])
     missed = {int(event["epoch"]) for peer in peers for event in peer.events.all("round_missed")}
-    later = {epoch: value for epoch, value in differences.items() if epoch > min(differences)}
-    rounds = f"rounds both peers finished: {sorted(differences)}, rounds a peer missed: {sorted(missed)}"
+    first_rounds = [_first_trained_round(peer) for peer in peers]
+    later = {epoch: value for epoch, value in differences.items() if epoch > max(first_rounds)}
+    rounds = (
+        f"rounds both peers finished: {sorted(differences)}, first rounds trained: {first_rounds}, "
+        f"rounds a peer missed: {sorted(missed)}"
+    )
     assert len(later) >= epochs // 2, rounds
     assert max(later.values()) <= 1e-6, f"shared parameters differ after a round: {differences}; {rounds}"
+    assert len(set(later) - missed) >= epochs // 3, f"the two peers averaged too few rounds: {rounds}"
     return set(later)
+
+
+def _first_trained_round(peer) -> int:
+    """The epoch at which ``peer`` ended the first round it began from its own epoch (not a catch-up download)."""
+    ends = [int(e["now_at"]) for e in peer.events.all("epoch_done") if int(e["now_at"]) == int(e["epoch"]) + 1]
+    assert ends, f"{peer.name} ended no round of its own"
+    return min(ends)
 
 
 @pytest.mark.timeout(360)

@@ -25,6 +25,14 @@ DHT routing (the watchdog)
 - ``routing_table_peers`` / ``ping_peers``: read ``DHTNode.protocol.routing_table`` and ``DHTNode.blacklist`` and
   ping through ``protocol.call_ping``: hivemind 1.1.12 never re-contacts peers after a partition by itself.
 
+Matchmaking (``matchmaking``, both averagers)
+- ``LeadersAssemblingBeforeDeadline(PotentialLeaders)``, ``begin_search``: a leader's search ends
+  ``LEADER_MARGIN_SECONDS`` before its step's deadline, so a leader that waited its whole window assembles the
+  followers it has instead of giving up with them at the deadline (hivemind's two timers fire together there).
+  Installed through a ``_matchmaking`` property of ``_PolicyAveraging`` (hivemind assigns the private
+  ``DecentralizedAverager._matchmaking`` in the averager process); replaces ``Matchmaking.potential_leaders`` and
+  sets ``PotentialLeaders.search_end_time`` (private).
+
 Averaging (both averagers of hivemind.Optimizer)
 - ``AveragingPolicy``: what the two averager classes below are configured with (an explicit object); both have
   ``_PolicyAveraging`` as their first base, which applies it (one level, nothing injected below hivemind).
@@ -110,7 +118,9 @@ Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
 - ``_make_state_averager`` (private factory): builds ``LeanHiveStateAverager`` with our policy.
 - ``_make_progress_tracker`` (private factory): builds ``LeanHiveProgressTracker``.
 - ``_load_local_gradients_into_optimizer`` (private): hivemind's fallback when an all-reduce failed; for a trainer
-  it also flags ``missed_round`` so that the trainer downloads the swarm's state (peer.strategies).
+  it also flags ``missed_round`` so that a sync-mode trainer downloads the swarm's state (peer.strategies), and in
+  local mode drops the round (``LeanHiveOptimizer._missed``: ``LeanHiveStateAverager.step`` skips the outer step and
+  puts the shared parameters back into the model with the private ``_apply_optimizer_parameters_``).
   ``_begin_averaging_gradients`` (private) flags it too when hivemind began no round because its tracker listed no
   other peer, in the epoch right after a download (the tracker may not list the donors yet); it also tells the
   gradient averager the epoch of the round it begins (``round_epoch``, round_result.py). Where hivemind steps with a
@@ -181,6 +191,7 @@ from __future__ import annotations
 
 import hivemind
 from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.optim.grad_averager import GradientAverager
@@ -290,6 +301,11 @@ OVERRIDDEN_METHODS = [
         "Optional[hivemind.averaging.control.StepControl] = None, wait_for_trigger: Optional[Callable[[], Any]] = "
         "None, grad_scaler: Optional[hivemind.optim.grad_scaler.GradScaler] = None, set_to_none: bool = True, "
         "averaging_opts: Optional[Dict[str, Any]] = None)",
+    ),
+    (
+        PotentialLeaders,
+        "begin_search",
+        "(self, step: 'StepControl', key_manager: 'GroupKeyManager', declare: 'bool' = True)",
     ),
     (TrainingStateAverager, "load_state_from_peers", "(self, **kwargs)"),
     (TrainingStateAverager, "_update_scheduler", "(self)"),
@@ -404,6 +420,15 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.averaging.averager", "DecentralizedAverager", "next_chunk_timeout"),
     ("hivemind.averaging.averager", "DecentralizedAverager", "serializer"),
     ("hivemind.optim.state_averager", "TrainingStateAverager", "extra_tensors"),
+    # matchmaking.py: our leaders' search ends before the step's deadline
+    ("hivemind.averaging.matchmaking", "Matchmaking", "potential_leaders"),
+    ("hivemind.averaging.matchmaking", "PotentialLeaders", "search_end_time"),
+    ("hivemind.averaging.matchmaking", "PotentialLeaders", "peer_id"),
+    ("hivemind.averaging.matchmaking", "PotentialLeaders", "min_matchmaking_time"),
+    ("hivemind.averaging.matchmaking", "PotentialLeaders", "target_group_size"),
+    # --sync_mode local drops a round its trainer missed: the model goes back to the shared parameters
+    ("hivemind.optim.state_averager", "TrainingStateAverager", "offload_optimizer"),
+    ("hivemind.optim.state_averager", "TrainingStateAverager", "_apply_optimizer_parameters_"),
     ("hivemind.optim.optimizer", "Optimizer", "scheduled_grads"),
     ("hivemind.optim.optimizer", "Optimizer", "_tag_along_with_zero_weight"),
     ("hivemind.optim.optimizer", "Optimizer", "use_gradient_averaging"),

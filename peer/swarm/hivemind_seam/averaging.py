@@ -30,6 +30,7 @@ from hivemind.utils.nested import nested_flatten, nested_pack
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+import peer.swarm.hivemind_seam.matchmaking as leader_margin
 from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
 from peer.swarm.hivemind_seam.round_result import NORM_FACTOR, RoundResultSharing, fetch_seconds
 from peer.swarm.hivemind_seam.state_transfer import NoPartDonors, PartedStateTransfer, close_stream
@@ -392,6 +393,18 @@ class _PolicyAveraging:
         except AttributeError:
             pass
 
+    @property
+    def _matchmaking(self):
+        try:
+            return self.__dict__["_leanhive_matchmaking"]
+        except KeyError:
+            raise AttributeError("_matchmaking") from None
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking) -> None:
+        # hivemind builds it in the averager process (_run_internal): our leaders assemble before the deadline
+        self.__dict__["_leanhive_matchmaking"] = leader_margin.install(matchmaking)
+
     def schedule_step(self, scheduled_time: Optional[float] = None, **kwargs):
         """A client-mode peer asks to join with the latest expiration its round allows (``client_join_expiration``):
         hivemind asks with the time it scheduled, and a leader that scheduled later refuses it (BAD_EXPIRATION_TIME),
@@ -702,6 +715,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         self._params_epoch: Optional[int] = None
         self._local_layout: Optional[Tuple[list, dict]] = None  # see _layout
         self.step_with_next_epoch = False  # host process: see LeanHiveOptimizer._round_was_whole
+        self.drop_next_round = False  # host process: see step
         self.auxiliary_steps = 0  # host process: optimizer steps an auxiliary peer took that way
         # set in the averager process before each download (``_set_download_bound``): the epochs a downloaded state
         # may carry (None: no bound), the progress key that re-reads the consensus, the peers it may come from
@@ -960,6 +974,13 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
             # an auxiliary peer that holds the round's result (LeanHiveOptimizer._round_was_whole)
             optimizer_step, self.step_with_next_epoch = True, False
             self.auxiliary_steps += 1
+        if increment_epoch and self.drop_next_round:
+            # --sync_mode local, a round this trainer missed (LeanHiveOptimizer.drop_missed_round): no outer step,
+            # and the model goes back to the shared parameters the round started from
+            self.drop_next_round, optimizer_step = False, False
+            if self.offload_optimizer:
+                with self.lock_optimizer:
+                    self._apply_optimizer_parameters_()
         if increment_epoch and optimizer_step and self._params_epoch is None:
             self._params_epoch = self.local_epoch  # until _update_scheduler, after the step, under lock_optimizer
         return super().step(*args, increment_epoch=increment_epoch, optimizer_step=optimizer_step, **kwargs)
@@ -1105,8 +1126,21 @@ class LeanHiveOptimizer(hivemind.Optimizer):
 
     def _load_local_gradients_into_optimizer(self):
         if not self.auxiliary and (self.tracker.global_progress.num_peers > 1 or self._just_downloaded()):
-            self.missed_round = True
+            self._missed()
         super()._load_local_gradients_into_optimizer()
+
+    def _missed(self) -> None:
+        """This trainer's all-reduce failed while other peers were online (``missed_round``). In local mode the
+        round is dropped (``state_averager.drop_next_round``): no outer step with this peer's pseudo-gradient alone,
+        and the model goes back to the round's shared parameters. Peers that all missed a round (two peers that
+        found no group) so keep equal shared parameters without a download: each used to step alone and download
+        the other's state, and those downloads (seconds each, longer than a round of the tiny preset) made each one
+        late for the other's next round, so two peers could miss every round of a run. A peer whose others made
+        the round is one outer step behind them; its round agreement sees that and downloads (peer.swarm.agreement).
+        The round's local steps are lost, as they were when the download replaced them."""
+        self.missed_round = True
+        if self.local_updates:
+            self.state_averager.drop_next_round = True
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         averager = self.grad_averager
@@ -1127,7 +1161,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             # hivemind saw no other peer and steps with this peer's gradients alone; right after a download the
             # tracker may not list the donors yet (a home joiner stepped its first epoch "alone" that way and stayed
             # 0.01 apart from the swarm for the rest of the run)
-            self.missed_round = True
+            self._missed()
         return began
 
     def _just_downloaded(self) -> bool:

@@ -22,7 +22,7 @@ What is overridden and why (pinned in ``__init__``'s lists like the rest of the 
   ``AveragingData`` with the payload's bytes in ``tensor_part.buffer``. Incoming bytes are bounded by the exact
   payload size of the run: a longer stream is cut off and refused.
 
-The error-feedback buffer after a state download (joining, a missed round, a repaired disagreement) is reset to
+The error-feedback buffer after a state download (joining, a repaired disagreement) is reset to
 zero, not taken from the donor: the donor still owes its own residual and sends it in its next rounds (taking it
 would apply it twice), and this peer's old residual was computed against shared parameters the download replaced.
 What is lost is at most the left-out part of one peer's recent rounds, a bounded perturbation that error feedback

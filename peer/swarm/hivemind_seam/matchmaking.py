@@ -1,0 +1,49 @@
+"""A leader that waited its whole matchmaking window assembles the followers it has, a moment before its deadline.
+
+hivemind 1.1.12 caps a waiting leader's declared expiration at its step's deadline (``PotentialLeaders``'s
+``search_end_time``), and ``Matchmaking.look_for_group`` gives up at that same deadline: the two timers fire
+together, and the leader that should assemble its group at its expiration almost always gives up first, sends its
+followers away ("leader disbanded group") and fails with "could not find a group". A follower that joins in the
+last second of a leader's window is therefore always lost. Two peers whose rounds begin a little apart (one ended
+its last round later, or joined later) keep that offset: each failed attempt lasts exactly the window, so every
+later attempt of one ends just as the other's begins, and the pair missed every round of a run (local mode, the
+``tiny`` preset: "could not find a group" on both peers for 12 of 12 rounds, each joining the other's group in its
+last 0.4 s). Ending the search ``LEADER_MARGIN_SECONDS`` before the deadline lets the leader assemble them first.
+
+Installed on each of our averagers' ``Matchmaking`` when hivemind creates it in the averager process
+(``_PolicyAveraging._matchmaking``, averaging.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
+
+LEADER_MARGIN_SECONDS = 0.25
+"""How long before its deadline a leader assembles the followers it has: longer than the averager process's event
+loop takes to run the assembly on a busy machine, and short, because after the search ends a leader without
+followers re-declares until its deadline (hivemind's loop, which declares an already expired time)."""
+
+
+class LeadersAssemblingBeforeDeadline(PotentialLeaders):
+    """``PotentialLeaders`` whose search (and so the last declared expiration) ends ``LEADER_MARGIN_SECONDS`` before
+    the step's deadline, while ``look_for_group`` still waits until the deadline itself."""
+
+    @contextlib.asynccontextmanager
+    async def begin_search(self, step, key_manager, declare: bool = True):
+        async with super().begin_search(step, key_manager, declare=declare) as leaders:
+            # hivemind created its declare and queue tasks just before yielding; they have not run yet, so their
+            # first declaration already uses this end
+            if step.deadline is not None:
+                self.search_end_time = step.deadline - LEADER_MARGIN_SECONDS
+            yield leaders
+
+
+def install(matchmaking: Matchmaking) -> Matchmaking:
+    """Give hivemind's freshly built ``matchmaking`` our ``PotentialLeaders`` (before its first search)."""
+    leaders = matchmaking.potential_leaders
+    matchmaking.potential_leaders = LeadersAssemblingBeforeDeadline(
+        leaders.peer_id, leaders.min_matchmaking_time, leaders.target_group_size
+    )
+    return matchmaking
