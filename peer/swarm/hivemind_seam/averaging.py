@@ -975,7 +975,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
             optimizer_step, self.step_with_next_epoch = True, False
             self.auxiliary_steps += 1
         if increment_epoch and self.drop_next_round:
-            # --sync_mode local, a round this trainer missed (LeanHiveOptimizer.drop_missed_round): no outer step,
+            # --sync_mode local, a round this trainer missed (LeanHiveOptimizer._missed): no outer step,
             # and the model goes back to the shared parameters the round started from
             self.drop_next_round, optimizer_step = False, False
             if self.offload_optimizer:
