@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import importlib
 import inspect
 import logging
@@ -156,6 +157,32 @@ def test_phase_observers_time_the_gradient_wait_and_tell_the_averagers_apart():
     assert not seen  # unregistered
 
 
+@contextlib.contextmanager
+def _two_gradient_averagers(prefix: str, **kwargs):
+    """Two real ``LeanHiveGradientAverager`` (own DHTs and averager processes) holding the accumulated gradients 1
+    and 2 (nonzero: see bound_two_peer_update); shut down on exit."""
+    import torch
+
+    dhts = [hivemind.DHT(start=True)]
+    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
+    averagers = []
+    try:
+        for index, dht in enumerate(dhts):
+            params = [torch.nn.Parameter(torch.zeros(4))]
+            averager = averaging.LeanHiveGradientAverager(
+                params, dht=dht, prefix=prefix, reuse_grad_buffers=False, start=True, **kwargs
+            )
+            averagers.append(averager)
+            averager.parameters[0].grad = torch.full((4,), float(index + 1))
+            averager.accumulate_grads_(batch_size=1)
+        yield averagers
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
 @pytest.mark.timeout(120)
 def test_phase_observers_see_each_all_reduce_round_in_the_averager_process(tmp_path):
     """A real all-reduce round is reported from the averager process each gradient averager forks, to an observer
@@ -164,7 +191,6 @@ def test_phase_observers_see_each_all_reduce_round_in_the_averager_process(tmp_p
     import os
 
     import torch
-    from hivemind.utils import get_dht_time
 
     log = tmp_path / "phases.jsonl"
 
@@ -173,33 +199,17 @@ def test_phase_observers_see_each_all_reduce_round_in_the_averager_process(tmp_p
             out.write(json.dumps({"phase": phase, "seconds": end - start, "pid": os.getpid()}) + "\n")
 
     stop = hivemind_seam.observe_phases(record)
-    dhts = [hivemind.DHT(start=True)]
-    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
     try:
-        averagers = []
-        for index, dht in enumerate(dhts):
-            params = [torch.nn.Parameter(torch.zeros(4))]
-            averagers.append(
-                averaging.LeanHiveGradientAverager(
-                    params, dht=dht, prefix="phases", target_group_size=2, reuse_grad_buffers=False, start=True
-                )
-            )
-        controls = [averager.schedule_step(get_dht_time() + 5) for averager in averagers]
-        for index, averager in enumerate(averagers):
-            averager.parameters[0].grad = torch.full((4,), float(index + 1))  # nonzero: see bound_two_peer_update
-            averager.accumulate_grads_(batch_size=1)
-        for averager, control in zip(averagers, controls):
-            averager.step(control=control, wait=False)
-        for control in controls:
-            control.result(timeout=60)
-        with averagers[0].use_averaged_gradients() as grads:
-            assert torch.allclose(grads[0], torch.full((4,), 1.5))  # the round happened
-        for averager in averagers:
-            averager.shutdown()
+        with _two_gradient_averagers("phases", target_group_size=2) as averagers:
+            controls = [averager.schedule_step(get_dht_time() + 5) for averager in averagers]
+            for averager, control in zip(averagers, controls):
+                averager.step(control=control, wait=False)
+            for control in controls:
+                control.result(timeout=60)
+            with averagers[0].use_averaged_gradients() as grads:
+                assert torch.allclose(grads[0], torch.full((4,), 1.5))  # the round happened
     finally:
         stop()
-        for dht in dhts:
-            dht.shutdown()
     rounds = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["phase"] for r in rounds] == ["grad_allreduce", "grad_allreduce"]
     assert all(r["pid"] != os.getpid() and r["seconds"] >= 0 for r in rounds)
@@ -212,28 +222,9 @@ def test_a_leader_that_waited_its_whole_window_assembles_a_follower_that_came_in
     (both "could not find a group"); our leader ends its search a margin earlier and assembles the two
     (peer.swarm.hivemind_seam.matchmaking)."""
     import torch
-    from hivemind.utils import get_dht_time
 
-    dhts = [hivemind.DHT(start=True)]
-    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
-    averagers = []
-    try:
-        for dht in dhts:
-            params = [torch.nn.Parameter(torch.zeros(4))]
-            averagers.append(
-                averaging.LeanHiveGradientAverager(
-                    params,
-                    dht=dht,
-                    prefix="late_follower",
-                    min_matchmaking_time=1.0,
-                    reuse_grad_buffers=False,
-                    start=True,
-                )
-            )
-        for index, averager in enumerate(averagers):
-            averager.parameters[0].grad = torch.full((4,), float(index + 1))
-            averager.accumulate_grads_(batch_size=1)
-        window = 4.0
+    window = 4.0
+    with _two_gradient_averagers("late_follower", min_matchmaking_time=1.0) as averagers:
         leader = averagers[0].schedule_step(get_dht_time() + 0.5, timeout=window)
         averagers[0].step(control=leader, wait=False)
         time.sleep(leader.deadline - get_dht_time() - 1.0)
@@ -242,11 +233,6 @@ def test_a_leader_that_waited_its_whole_window_assembles_a_follower_that_came_in
         assert len(leader.result(timeout=30)) == 2 and len(follower.result(timeout=30)) == 2
         with averagers[0].use_averaged_gradients() as grads:
             assert torch.allclose(grads[0], torch.full((4,), 1.5))  # the round happened
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
 
 
 def test_round_outcome_says_how_a_round_ended():

@@ -122,6 +122,16 @@ def two_local_peers(collab: CollaborationArguments, run_id: str) -> Iterator[lis
         first.shutdown()
 
 
+def finish_round(optimizer, batch_size: int = BATCH) -> None:
+    """One more local step's samples, then no new samples until the round ends (waits for the other peer's report;
+    at most 60 s)."""
+    epoch, deadline = optimizer.local_epoch, time.monotonic() + 60
+    optimizer.step(batch_size=batch_size)
+    while optimizer.local_epoch == epoch and time.monotonic() < deadline:
+        time.sleep(0.1)
+        optimizer.step(batch_size=0)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging():
@@ -145,13 +155,6 @@ def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging
                 _local_step(model, inner, data_seed=100 * round_index + seed, epoch=optimizer.local_epoch)
                 locals_after_step.append([p.detach().clone() for p in model.parameters()])
             expected = [torch.stack(pair).mean(0) for pair in zip(*locals_after_step)]
-
-            def finish_round(optimizer):
-                epoch, deadline = optimizer.local_epoch, time.monotonic() + 60
-                optimizer.step(batch_size=BATCH)
-                while optimizer.local_epoch == epoch and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                    optimizer.step(batch_size=0)  # no new samples: waits for the other peer's report
 
             threads = [threading.Thread(target=finish_round, args=(opt,)) for _, opt, _ in peers]
             for thread in threads:
@@ -190,11 +193,7 @@ def test_a_round_whose_all_reduce_failed_is_dropped_not_stepped_alone():
         silent.step(batch_size=BATCH)  # reports its samples, then never steps again: it joins no group
         _local_step(model, inner, data_seed=0, epoch=0)
         assert any(not torch.equal(p, s) for p, s in zip(model.parameters(), start))
-        deadline = time.monotonic() + 60
-        optimizer.step(batch_size=BATCH)
-        while optimizer.local_epoch == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            optimizer.step(batch_size=0)
+        finish_round(optimizer)
         assert optimizer.local_epoch == 1 and optimizer.missed_round
         for got, want in zip(model.parameters(), start):
             torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)

@@ -235,20 +235,11 @@ def _two_peer_rounds(collab, rounds: int = 2, after=None):
     parameters of both peers after each round, their error-feedback buffers; ``after(peers)`` runs before they
     shut down."""
     import threading
-    import time
 
-    from tests.swarm.test_local_mode import BATCH, _local_step, two_local_peers
+    from tests.swarm.test_local_mode import _local_step, finish_round, two_local_peers
 
     history = []
     with two_local_peers(collab, f"sparse_wire_{collab.outer_compression}") as peers:
-
-        def finish_round(optimizer):
-            epoch, deadline = optimizer.local_epoch, time.monotonic() + 60
-            optimizer.step(batch_size=BATCH)
-            while optimizer.local_epoch == epoch and time.monotonic() < deadline:
-                time.sleep(0.1)
-                optimizer.step(batch_size=0)
-
         for round_index in range(rounds):
             for seed, (model, optimizer, inner) in enumerate(peers):
                 _local_step(model, inner, data_seed=100 * round_index + seed, epoch=optimizer.local_epoch)

@@ -427,7 +427,6 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.averaging.matchmaking", "PotentialLeaders", "min_matchmaking_time"),
     ("hivemind.averaging.matchmaking", "PotentialLeaders", "target_group_size"),
     # --sync_mode local drops a round its trainer missed: the model goes back to the shared parameters
-    ("hivemind.optim.state_averager", "TrainingStateAverager", "offload_optimizer"),
     ("hivemind.optim.state_averager", "TrainingStateAverager", "_apply_optimizer_parameters_"),
     ("hivemind.optim.optimizer", "Optimizer", "scheduled_grads"),
     ("hivemind.optim.optimizer", "Optimizer", "_tag_along_with_zero_weight"),

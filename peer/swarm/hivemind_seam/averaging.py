@@ -978,9 +978,8 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
             # --sync_mode local, a round this trainer missed (LeanHiveOptimizer._missed): no outer step,
             # and the model goes back to the shared parameters the round started from
             self.drop_next_round, optimizer_step = False, False
-            if self.offload_optimizer:
-                with self.lock_optimizer:
-                    self._apply_optimizer_parameters_()
+            with self.lock_optimizer:  # trainers always offload (peer.swarm.optimizer); hivemind asserts it here
+                self._apply_optimizer_parameters_()
         if increment_epoch and optimizer_step and self._params_epoch is None:
             self._params_epoch = self.local_epoch  # until _update_scheduler, after the step, under lock_optimizer
         return super().step(*args, increment_epoch=increment_epoch, optimizer_step=optimizer_step, **kwargs)
