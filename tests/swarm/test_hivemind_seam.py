@@ -158,9 +158,9 @@ def test_phase_observers_time_the_gradient_wait_and_tell_the_averagers_apart():
 
 
 @contextlib.contextmanager
-def _two_gradient_averagers(prefix: str, **kwargs):
-    """Two real ``LeanHiveGradientAverager`` (own DHTs and averager processes) holding the accumulated gradients 1
-    and 2 (nonzero: see bound_two_peer_update); shut down on exit."""
+def _two_gradient_averagers(prefix: str, averager_class=None, **kwargs):
+    """Two real ``LeanHiveGradientAverager`` (or ``averager_class``; own DHTs and averager processes) holding the
+    accumulated gradients 1 and 2 (nonzero: see bound_two_peer_update); shut down on exit."""
     import torch
 
     dhts = [hivemind.DHT(start=True)]
@@ -169,7 +169,7 @@ def _two_gradient_averagers(prefix: str, **kwargs):
     try:
         for index, dht in enumerate(dhts):
             params = [torch.nn.Parameter(torch.zeros(4))]
-            averager = averaging.LeanHiveGradientAverager(
+            averager = (averager_class or averaging.LeanHiveGradientAverager)(
                 params, dht=dht, prefix=prefix, reuse_grad_buffers=False, start=True, **kwargs
             )
             averagers.append(averager)
@@ -233,6 +233,29 @@ def test_a_leader_that_waited_its_whole_window_assembles_a_follower_that_came_in
         assert len(leader.result(timeout=30)) == 2 and len(follower.result(timeout=30)) == 2
         with averagers[0].use_averaged_gradients() as grads:
             assert torch.allclose(grads[0], torch.full((4,), 1.5))  # the round happened
+
+
+@pytest.mark.timeout(120)
+def test_local_mode_peers_of_two_rounds_never_average_together():
+    """--sync_mode local: a pseudo-gradient is the change from its round's shared parameters, so the group key
+    names the round's epoch (peer.swarm.hivemind_seam.matchmaking). Two real averagers of epochs 3 and 4 search
+    together and find no group; at the same epoch they average (hivemind's keys named no round, and a peer one epoch
+    behind met the others' next round)."""
+    import torch
+
+    with _two_gradient_averagers(
+        "round_keys", averager_class=averaging.PseudoGradientAverager, run_id="round_keys", min_matchmaking_time=1.0
+    ) as averagers:
+        for averager, epoch in zip(averagers, (3, 4)):
+            averager.shared_parameters = (torch.zeros(4),)  # as the optimizer links them
+            averager.key_epoch.value = epoch
+        apart = [averager.step(timeout=3.0, wait=False) for averager in averagers]
+        for control in apart:
+            with pytest.raises(Exception, match="could not find a group"):
+                control.result(timeout=30)
+        averagers[1].key_epoch.value = 3
+        together = [averager.step(timeout=6.0, wait=False) for averager in averagers]
+        assert [len(control.result(timeout=30)) for control in together] == [2, 2]
 
 
 def test_round_outcome_says_how_a_round_ended():

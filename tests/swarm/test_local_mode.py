@@ -202,3 +202,43 @@ def test_a_round_whose_all_reduce_failed_is_dropped_not_stepped_alone():
             torch.testing.assert_close(shared, by_id[id(param)], rtol=0, atol=0)
         after = outer_momentum(optimizer)
         assert len(after) == len(momentum) and all(torch.equal(a, b) for a, b in zip(after, momentum))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_trainer_one_epoch_behind_drops_the_round_the_others_ended_at_once():
+    """hivemind lets a peer one epoch behind end its round anyway; in local mode that round is over (the others
+    ended it), and its pseudo-gradient would wait out a matchmaking window for nobody or meet the others' next round.
+    Here one peer ended the round (it missed it: no other peer averaged) while the other only reported its samples;
+    the other's next step drops its round at once, without searching for a group, as one it missed
+    (LeanHiveOptimizer._skip_round_already_over)."""
+    collab = CollaborationArguments(
+        sync_mode="local",
+        target_batch_size=2 * BATCH,
+        matchmaking_time=1.0,
+        averaging_timeout=5.0,
+        compression="none",
+        average_state_every=1000,  # no state averaging round after the drop: the time below is the round's alone
+    )
+    with two_local_peers(collab, "local_mode_behind") as peers:
+        (model, optimizer, inner), (behind_model, behind, behind_inner) = peers
+        # its first step once it knows the swarm's progress: hivemind's once-per-epoch strict check (a peer on
+        # another epoch than the swarm's downloads) passes here, as it had for the peer behind in the pair test
+        assert behind.tracker.fetched_global_progress_this_epoch.wait(timeout=30)
+        behind.step(batch_size=BATCH)
+        _local_step(model, inner, data_seed=0, epoch=0)
+        finish_round(optimizer)
+        assert optimizer.local_epoch == 1
+        deadline = time.monotonic() + 60
+        while behind.tracker.global_epoch < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert behind.tracker.global_epoch == 1 and behind.local_epoch == 0
+
+        start = [p.detach().clone() for p in behind_model.parameters()]
+        _local_step(behind_model, behind_inner, data_seed=1, epoch=0)
+        began = time.monotonic()
+        behind.step(batch_size=BATCH)
+        assert behind.local_epoch == 1 and behind.missed_round and behind.state_loads == 0
+        assert time.monotonic() - began < collab.averaging_timeout  # it waited out no matchmaking window
+        for got, want in zip(behind_model.parameters(), start):  # dropped: back to the round's shared parameters
+            torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)

@@ -32,6 +32,9 @@ Matchmaking (``matchmaking``, both averagers)
   Installed through a ``_matchmaking`` property of ``_PolicyAveraging`` (hivemind assigns the private
   ``DecentralizedAverager._matchmaking`` in the averager process); replaces ``Matchmaking.potential_leaders`` and
   sets ``PotentialLeaders.search_end_time`` (private).
+- ``RoundEpochGroupKeys(GroupKeyManager)``, ``current_key`` (local mode only): the group key names the epoch of the
+  peer's round (``<prefix>_e<epoch>.0b<bits>``, read from the ``PseudoGradientAverager``'s ``key_epoch``), so peers
+  of two rounds never average together; replaces ``Matchmaking.group_key_manager``.
 
 Averaging (both averagers of hivemind.Optimizer)
 - ``AveragingPolicy``: what the two averager classes below are configured with (an explicit object); both have
@@ -128,6 +131,10 @@ Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
   (``cancel_step``: the step marked cancelled before the averager process is told; hivemind's
   ``StepControl.cancel`` does it the other way round, and a round whose group formed at that moment ran with stale
   tensors) and tells the gradient averager that the gradients it loads next are the swarm's step (``own_round``).
+  In local mode it and ``_maybe_schedule_gradient_averaging`` (private) set the epoch the round's group key names
+  (``_name_round``), and a trainer one epoch behind drops the round at once instead of ending a round the others
+  already averaged (``_skip_round_already_over``; hivemind lets it end that round); in local mode a download no
+  longer relabels the state one epoch on either.
 - ``_average_gradients_and_load_into_optimizer`` (private): hivemind's, timed as the ``grad_wait`` phase, waiting
   ``round_wait.seconds()`` (at least averaging_timeout, longer once rounds proved slower: peer.swarm.round_wait)
   instead of averaging_timeout, and the round's outcome (``timing.round_outcome``) reported to the round observers.
@@ -191,6 +198,7 @@ from __future__ import annotations
 
 import hivemind
 from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.dht.validation import RecordValidatorBase
@@ -366,6 +374,13 @@ OVERRIDDEN_METHODS = [
     ),
     (hivemind.Optimizer, "load_state_dict", "(self, state_dict: 'dict')"),
     (hivemind.Optimizer, "_load_local_gradients_into_optimizer", "(self)"),
+    (hivemind.Optimizer, "_maybe_schedule_gradient_averaging", "(self) -> 'None'"),
+    (GroupKeyManager, "current_key", "property"),
+    (
+        GroupKeyManager,
+        "__init__",
+        "(self, dht: hivemind.dht.dht.DHT, prefix: str, initial_group_bits: str, target_group_size: Optional[int])",
+    ),
     (
         hivemind.Optimizer,
         "_begin_averaging_gradients",
@@ -426,6 +441,8 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.averaging.matchmaking", "PotentialLeaders", "peer_id"),
     ("hivemind.averaging.matchmaking", "PotentialLeaders", "min_matchmaking_time"),
     ("hivemind.averaging.matchmaking", "PotentialLeaders", "target_group_size"),
+    # matchmaking.py: local mode's group keys name the round's epoch
+    ("hivemind.averaging.matchmaking", "Matchmaking", "group_key_manager"),
     # --sync_mode local drops a round its trainer missed: the model goes back to the shared parameters
     ("hivemind.optim.state_averager", "TrainingStateAverager", "_apply_optimizer_parameters_"),
     ("hivemind.optim.optimizer", "Optimizer", "scheduled_grads"),

@@ -403,7 +403,11 @@ class _PolicyAveraging:
     @_matchmaking.setter
     def _matchmaking(self, matchmaking) -> None:
         # hivemind builds it in the averager process (_run_internal): our leaders assemble before the deadline
-        self.__dict__["_leanhive_matchmaking"] = leader_margin.install(matchmaking)
+        self.__dict__["_leanhive_matchmaking"] = leader_margin.install(matchmaking, self.key_epoch)
+
+    key_epoch = None
+    """A ``multiprocessing.Value``: the epoch of the round this peer averages next, named in its group key
+    (``PseudoGradientAverager``, matchmaking.py); None: hivemind's keys."""
 
     def schedule_step(self, scheduled_time: Optional[float] = None, **kwargs):
         """A client-mode peer asks to join with the latest expiration its round allows (``client_join_expiration``):
@@ -1057,7 +1061,8 @@ class PseudoGradientAverager(LeanHiveGradientAverager):
     parameters at the start of the round, minus the model's parameters after the local steps) is written into the
     averaged tensors, all-reduced with the same policy as gradients (allowlist, robust aggregation, weight = the
     samples of the round) and, through the buffers hivemind links to the outer optimizer's ``.grad``, stepped.
-    Its prefix is ``<run_id>_outer_averager``, so peers of the two modes never meet in one all-reduce."""
+    Its prefix is ``<run_id>_outer_averager``, so peers of the two modes never meet in one all-reduce, and its group
+    key names the round's epoch (``key_epoch``, matchmaking.py), so peers of two rounds never meet either."""
 
     _bound_two_peer_rounds = False
     _same_result = False  # not measured in local mode yet; its round agreement (peer.swarm.agreement) repairs drift
@@ -1070,6 +1075,7 @@ class PseudoGradientAverager(LeanHiveGradientAverager):
     def __init__(self, parameters, *, run_id: str, prefix: Optional[str] = None, **kwargs):
         del prefix  # hivemind's gradient prefix: this averager has its own
         kwargs["reuse_grad_buffers"] = True  # nothing is accumulated: no second copy of the gradients
+        self.key_epoch = mp.Value("q", -1)  # before hivemind's __init__ forks the averager process
         super().__init__(parameters, prefix=outer_averager_prefix(run_id), **kwargs)
         self.shared_parameters: Optional[Tuple[torch.Tensor, ...]] = None  # set by LeanHiveOptimizer
 
@@ -1141,7 +1147,22 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         if self.local_updates:
             self.state_averager.drop_next_round = True
 
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        self._name_round()
+        super()._maybe_schedule_gradient_averaging()
+
+    def _name_round(self) -> None:
+        """The epoch of the round this peer averages next goes into its group key (local mode, matchmaking.py);
+        set before hivemind pre-schedules the round's matchmaking and again when the round begins."""
+        key_epoch = getattr(self.grad_averager, "key_epoch", None)
+        if key_epoch is not None:
+            key_epoch.value = self.local_epoch
+
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        self._name_round()
+        if self.local_updates and not self.auxiliary and self.local_epoch < self.tracker.global_epoch:
+            self._skip_round_already_over()
+            return False
         averager = self.grad_averager
         round_epoch = getattr(averager, "round_epoch", None)
         if round_epoch is not None:  # the round this epoch's result belongs to (round_result.py)
@@ -1162,6 +1183,23 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             # 0.01 apart from the swarm for the rest of the run)
             self._missed()
         return began
+
+    def _skip_round_already_over(self) -> None:
+        """Local mode, a trainer one epoch behind: hivemind lets it end its round (in sync mode its gradients still
+        count toward the next step), but the others ended this round already, and a pseudo-gradient of it averages
+        with nobody now: it waited out a whole matchmaking window for nothing, or met the others' next round (both
+        applied the same average to different rounds). It drops the round at once, as one it missed; its round
+        agreement then downloads the state if the others stepped (peer.strategies.LocalTraining.end_epoch)."""
+        control = self.scheduled_grads
+        if control is not None and not control.done() and not control.triggered:
+            cancel_step(control)
+        self.scheduled_grads = None
+        logger.info(
+            "The swarm ended the round of epoch %d without this peer (it is at epoch %d): dropping it",
+            self.local_epoch,
+            self.tracker.global_epoch,
+        )
+        self._missed()
 
     def _just_downloaded(self) -> bool:
         return self._downloaded_at is not None and self.local_epoch <= self._downloaded_at + 1
@@ -1358,7 +1396,9 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                     # one per step)
                     self.tracker.refute_claims_above(self.local_epoch)
 
-            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
+            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch and not self.local_updates:
+                # (local mode: the label would name a round these parameters have not taken; the next step downloads
+                # again, see _should_load_state_from_peers)
                 logger.log(self.status_loglevel, f"Catching up with collaboration step {self.tracker.global_epoch}")
                 self.state_averager.local_epoch = self.tracker.global_epoch
 
