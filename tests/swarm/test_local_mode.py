@@ -174,11 +174,24 @@ def test_round_with_one_local_step_outer_lr_1_no_momentum_is_parameter_averaging
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_round_whose_all_reduce_failed_is_dropped_not_stepped_alone():
+def test_a_round_whose_all_reduce_failed_is_dropped_not_stepped_alone(monkeypatch):
     """A trainer whose all-reduce failed while another peer was online (here the other reports its samples and
     never averages) takes no outer step with its own pseudo-gradient: its shared parameters and outer momentum stay
     where the round began, and its model goes back to them. So two peers that both miss a round still hold the same
-    shared parameters, with no download (peer.swarm.hivemind_seam.LeanHiveOptimizer._missed)."""
+    shared parameters, with no download (peer.swarm.hivemind_seam.LeanHiveOptimizer._missed). Nor does it wait out
+    a state averaging round after it (average_state_every 1): the peers it found no group with would not be in that
+    one either (LeanHiveStateAverager._without_state_round)."""
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    state_rounds = []  # hivemind's own step, as the drop calls it: whether it runs a state averaging round
+    hivemind_step = TrainingStateAverager.step
+
+    def recording_step(self, *args, **kwargs):
+        if kwargs.get("increment_epoch"):
+            state_rounds.append(bool(kwargs.get("averaging_round")))
+        return hivemind_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainingStateAverager, "step", recording_step)
     collab = CollaborationArguments(
         sync_mode="local",
         target_batch_size=2 * BATCH,
@@ -188,6 +201,7 @@ def test_a_round_whose_all_reduce_failed_is_dropped_not_stepped_alone():
     )
     with two_local_peers(collab, "local_mode_missed") as peers:
         (model, optimizer, inner), (_, silent, _) = peers
+        assert optimizer.load_state_checked()  # as a joiner does: its state is labelled with the download's epoch
         start = [p.detach().clone() for p in model.parameters()]
         momentum = [m.clone() for m in outer_momentum(optimizer)]
         silent.step(batch_size=BATCH)  # reports its samples, then never steps again: it joins no group
@@ -202,6 +216,10 @@ def test_a_round_whose_all_reduce_failed_is_dropped_not_stepped_alone():
             torch.testing.assert_close(shared, by_id[id(param)], rtol=0, atol=0)
         after = outer_momentum(optimizer)
         assert len(after) == len(momentum) and all(torch.equal(a, b) for a, b in zip(after, momentum))
+        assert state_rounds == [False]
+        # the shared parameters it serves are the next epoch's (the dropped round changed nothing): labelled with the
+        # download's epoch, a joiner refuted this peer's epoch as a lie and ignored it for a minute
+        assert optimizer.state_averager.get_current_state()[0]["epoch"] == 1
 
 
 @pytest.mark.slow
