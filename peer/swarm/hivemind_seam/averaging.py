@@ -1415,8 +1415,9 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                     self.tracker.refute_claims_above(self.local_epoch)
 
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch and not self.local_updates:
-                # (local mode: the label would name a round these parameters have not taken; the next step downloads
-                # again, see _should_load_state_from_peers)
+                # (not in local mode: the label would name a round these parameters have not taken; its next round
+                # is dropped at once instead, _skip_round_already_over, and the round agreement downloads the state
+                # of the peers that took it)
                 logger.log(self.status_loglevel, f"Catching up with collaboration step {self.tracker.global_epoch}")
                 self.state_averager.local_epoch = self.tracker.global_epoch
 

@@ -14,7 +14,8 @@ In ``--sync_mode local`` the group key also names the round's epoch (``RoundEpoc
 the change from its round's shared parameters, so it is averaged only with those of the same round. hivemind's key
 names no round, and a peer one epoch behind (it ended its last round later, or downloaded the state while the
 others ended one) met the others' next round: both applied the same average to different rounds, and their shared
-parameters stayed apart until a later vote (the local pair test, on a busy machine: 4 of 7 runs).
+parameters stayed apart until a later vote (the local pair test beside a busy loop: 3 of 7 runs, and the
+landing CI of 39f204a).
 
 Installed on each of our averagers' ``Matchmaking`` when hivemind creates it in the averager process
 (``_PolicyAveraging._matchmaking``, averaging.py).
