@@ -163,6 +163,11 @@ def _two_gradient_averagers(prefix: str, averager_class=None, **kwargs):
     accumulated gradients 1 and 2 (nonzero: see bound_two_peer_update); shut down on exit."""
     import torch
 
+    from benchmarks.testbed.processes import share_tensors_by_file_descriptor
+
+    # hivemind's 'file_system' sharing needs a torch_shm_manager child, which the suite's fixture kills after each
+    # test: the next test to start a DHT here then aborted the interpreter (hivemind's MPFuture thread)
+    share_tensors_by_file_descriptor()
     dhts = [hivemind.DHT(start=True)]
     dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
     averagers = []
