@@ -1001,9 +1001,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         each, for its gradient round while the other searched for its state round, both windows as long, and kept
         that offset for the whole run (the aux checkpoint test, trainer variant, at 39f204a: no round averaged in 2 of 2
         runs)."""
-        control = kwargs.get("averaging_control")
-        if control is not None and not control.done() and not control.triggered:
-            cancel_step(control)  # pre-scheduled by hivemind: its group would wait for this peer's data
+        cancel_if_pending(kwargs.get("averaging_control"))  # pre-scheduled: its group would wait for this peer's data
         return dict(kwargs, averaging_round=False, averaging_control=None, averaging_opts=None)
 
     def parameters_replaced(self, epoch: int) -> None:
@@ -1187,9 +1185,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             round_epoch.value = self.local_epoch
         if not self.auxiliary and self.tracker.global_progress.num_peers <= 1:
             # hivemind steps with this peer's own gradients: no other peer reports progress
-            control = self.scheduled_grads
-            if control is not None and not control.done() and not control.triggered:
-                cancel_step(control)
+            if cancel_if_pending(self.scheduled_grads):
                 self.scheduled_grads = None
             stepping_alone = getattr(averager, "stepping_alone", None)
             if stepping_alone is not None and not self._just_downloaded():
@@ -1208,9 +1204,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         with nobody now: it waited out a whole matchmaking window for nothing, or met the others' next round (both
         applied the same average to different rounds). It drops the round at once, as one it missed; its round
         agreement then downloads the state if the others stepped (peer.strategies.LocalTraining.end_epoch)."""
-        control = self.scheduled_grads
-        if control is not None and not control.done() and not control.triggered:
-            cancel_step(control)
+        cancel_if_pending(self.scheduled_grads)
         self.scheduled_grads = None
         logger.info(
             "The swarm ended the round of epoch %d without this peer (it is at epoch %d): dropping it",
@@ -1447,6 +1441,14 @@ def cancel_step(control: StepControl) -> None:
     just joined: one of them stepped with that mix and stayed 0.02 apart to the end of the run."""
     MPFuture.cancel(control)
     control.cancel()  # hivemind's: the trigger, then the averager's notice
+
+
+def cancel_if_pending(control: Optional[StepControl]) -> bool:
+    """``cancel_step`` for a pre-scheduled round that is still pending (not done, not triggered); True if cancelled."""
+    if control is None or control.done() or control.triggered:
+        return False
+    cancel_step(control)
+    return True
 
 
 def download_epoch_bound(tracker: ProgressTracker, local_epoch: int) -> Optional[int]:
