@@ -32,6 +32,7 @@ from peer.swarm.hivemind_seam import (
     StateDownloadSettings,
     authorized_peer_ids,
 )
+from peer.swarm.hivemind_seam.progress import REPORT_SHARE
 from peer.swarm.lamb import CPULamb8Bit
 
 logger = logging.getLogger(__name__)
@@ -232,6 +233,14 @@ def build_optimizer(
         load_state_compression=NoCompression(),  # joiners get exact parameters and 8-bit codes
         averager_opts=averager_opts,
         # the progress tracker must sign with the same key as the DHT's signature validator
-        tracker_opts=dict(private_key=signing_key, min_refresh_period=0.5, default_refresh_period=1.0),
+        tracker_opts=dict(
+            private_key=signing_key,
+            min_refresh_period=0.5,
+            default_refresh_period=1.0,
+            # local mode: a record per share of the round, not per local step (rounds take minutes; progress.py),
+            # and one per step from two matchmaking windows before the round's end (the others schedule on them)
+            report_share=REPORT_SHARE if local else None,
+            report_every_step_within=2 * collab.matchmaking_time,
+        ),
         verbose=collab.verbose,
     )

@@ -260,3 +260,36 @@ def test_a_trainer_one_epoch_behind_drops_the_round_the_others_ended_at_once():
         assert time.monotonic() - began < collab.averaging_timeout  # it waited out no matchmaking window
         for got, want in zip(behind_model.parameters(), start):  # dropped: back to the round's shared parameters
             torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_local_mode_trainer_publishes_its_progress_once_per_share_of_the_round():
+    """hivemind stores a signed progress record at every local step; on a home uplink that was most of sparse local
+    mode's bytes. A local-mode trainer stores one per ``REPORT_SHARE`` of the round (peer.swarm.hivemind_seam.
+    progress), and the other peer still sees its progress within a share; sync mode keeps a record per step."""
+    from peer.swarm.hivemind_seam.progress import REPORT_SHARE, LeanHiveProgressTracker
+
+    collab = CollaborationArguments(
+        sync_mode="local", target_batch_size=64 * BATCH, matchmaking_time=1.0, averaging_timeout=5.0
+    )
+    with two_local_peers(collab, "local_mode_share") as peers:
+        (_, optimizer, _), (_, other, _) = peers
+        tracker = optimizer.tracker
+        assert tracker.report_share == REPORT_SHARE and REPORT_SHARE * collab.target_batch_size == 4 * BATCH
+        assert tracker.fetched_global_progress_this_epoch.wait(timeout=30)
+        steps = 24  # 3/8 of the round: far from its end, where every step is published
+        for _ in range(steps):
+            optimizer.step(batch_size=BATCH)
+            time.sleep(0.2)
+        # one record per 4 steps (a share), not 24; a few more where the ETA was not known yet
+        assert tracker.records_held >= steps // 2, tracker.records_held
+        deadline = time.monotonic() + 20
+        while other.tracker.global_progress.samples_accumulated < (steps - 4) * BATCH and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert other.tracker.global_progress.samples_accumulated >= (steps - 4) * BATCH
+
+        sync = LeanHiveProgressTracker(optimizer.dht, "sync_share", 64, start=False)
+        sync.report_local_progress(0, 8)
+        sync.report_local_progress(0, 16)
+        assert sync.records_held == 0 and sync.should_report_progress.is_set()

@@ -183,6 +183,9 @@ Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
   re-sync after an isolation waits on it).
 - ``ready_to_update_epoch`` (property): never for a client-mode peer while no serving trainer reports (nobody
   could join the epochs it ended alone); a client's own samples also count only as much as the others count them.
+- ``report_local_progress``, ``should_report_progress`` (a property over hivemind's event, which it assigns in
+  ``__init__``): in local mode (``report_share``) the event that makes hivemind's thread store this peer's signed
+  record is held shut until the peer has added a share of the round's target, except near the round's end.
 - ``run``: hivemind's thread body, then the cancellation of the helper tasks hivemind leaves pending at shutdown
   (Python printed "Task was destroyed but it is pending!" at exit).
 - ``mark_in_sync`` (ours): the joining protocol says when this peer's own epoch starts to vote in the consensus.
@@ -365,6 +368,11 @@ OVERRIDDEN_METHODS = [
         "Optional[hivemind.utils.crypto.RSAPrivateKey] = None, daemon: bool = True, start: bool)",
     ),
     (ProgressTracker, "run", "(self)"),
+    (
+        ProgressTracker,
+        "report_local_progress",
+        "(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True)",
+    ),
     (ProgressTracker, "ready_to_update_epoch", "property"),
     (
         ProgressTracker,
@@ -425,6 +433,8 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.optim.progress_tracker", "ProgressTracker", "_local_public_key"),
     ("hivemind.optim.progress_tracker", "ProgressTracker", "metadata_expiration"),
     ("hivemind.optim.progress_tracker", "ProgressTracker", "performance_ema"),
+    # local mode: the event that wakes hivemind's record-storing thread, held shut between shares (progress.py)
+    ("hivemind.optim.progress_tracker", "ProgressTracker", "should_report_progress"),
     # a trainer whose epoch label lagged one behind the round it took catches up (_repair_from_round_result)
     ("hivemind.optim.state_averager", "TrainingStateAverager", "local_epoch"),
     ("hivemind.optim.state_averager", "TrainingStateAverager", "lock_optimizer"),

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import statistics
+import threading
 import time
 from typing import Dict, Optional
 
@@ -27,6 +28,24 @@ MAX_EXTRAPOLATED_SHARE = 0.125
 MAX_PEER_SHARE = 0.5  # of target_batch_size, what one other peer's record may account for
 REFUTED_SECONDS = 60.0  # how long a peer whose epoch claim a state download refuted has its lead ignored...
 MAX_REFUTED_SECONDS = 3600.0  # ...doubling with each refutation, up to this
+REPORT_SHARE = 1 / 16
+"""--sync_mode local: a trainer publishes its progress record once it has added this share of the round's target
+since its last record, not after every local step (``report_share``). Below MAX_EXTRAPOLATED_SHARE, so the others'
+extrapolation still covers the samples between two records."""
+
+
+class _ReportGate(threading.Event):
+    """hivemind's ``should_report_progress`` event (it wakes the thread that stores this peer's record), which
+    ``report_local_progress`` may hold shut for one local step: cleared after the fact, the thread had often woken
+    already."""
+
+    def __init__(self):
+        super().__init__()
+        self.holding = False
+
+    def set(self) -> None:
+        if not self.holding:
+            super().set()
 
 
 class LeanHiveProgressTracker(ProgressTracker):
@@ -61,6 +80,12 @@ class LeanHiveProgressTracker(ProgressTracker):
       (a starting peer's ETA, from a step's worth of throughput, can exceed ``max_refresh_period``, and only the
       others' records end their epochs).
 
+    Given ``report_share`` (``--sync_mode local``), this peer stores its own record only once it has added that share
+    of the target since its last one, at a new epoch or a reset, and at every step once the epoch's estimated end is
+    less than two shares or ``report_every_step_within`` seconds away. hivemind stores a signed record at every local
+    step: on a 10 Mbit/s uplink that was most of sparse local mode's bytes (about 0.44 of 0.63 KB per trained sample,
+    docs/benchmarks.md).
+
     Each ignored record is logged once per peer and reason (a warning), then at DEBUG.
     """
 
@@ -69,7 +94,13 @@ class LeanHiveProgressTracker(ProgressTracker):
     votes_own_epoch = True
     """False for an auxiliary peer: it observes the trainers, its own (downloaded, often older) epoch is no vote."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, report_share: Optional[float] = None, report_every_step_within: float = 0.0, **kwargs):
+        if report_share is not None and not 0 < report_share <= MAX_EXTRAPOLATED_SHARE:
+            raise ValueError(f"report_share must be in (0, {MAX_EXTRAPOLATED_SHARE}], got {report_share}")
+        self.report_share = report_share
+        self.report_every_step_within = report_every_step_within
+        self._published = (-1, 0)  # (epoch, samples) of the last local progress let through to the DHT
+        self.records_held = 0  # local steps whose record waited for the next share (report_share)
         # set before hivemind's __init__, which starts the thread that parses records
         self._in_sync = False  # this peer's epoch reached the swarm's: from then on it votes
         self._refuted: Dict[bytes, float] = {}  # subkey -> monotonic time until which its lead is ignored
@@ -94,6 +125,41 @@ class LeanHiveProgressTracker(ProgressTracker):
             task.cancel()
         loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
         loop.close()
+
+    @property
+    def should_report_progress(self) -> _ReportGate:
+        return self._report_gate
+
+    @should_report_progress.setter
+    def should_report_progress(self, _event: threading.Event) -> None:
+        self._report_gate = _ReportGate()  # hivemind's __init__ assigns a plain Event here, before its thread starts
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
+        hold = self._may_hold_record(local_epoch, samples_accumulated)
+        self._report_gate.holding = hold
+        try:
+            super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+        finally:
+            self._report_gate.holding = False
+        if hold:
+            self.records_held += 1
+        else:
+            self._published = (local_epoch, samples_accumulated)
+
+    def _may_hold_record(self, local_epoch: int, samples_accumulated: int) -> bool:
+        if self.report_share is None:
+            return False
+        epoch, samples = self._published
+        if local_epoch != epoch or samples_accumulated <= samples:  # a new epoch, or a reset
+            return False
+        share = self.report_share * self.target_batch_size
+        if samples_accumulated - samples >= share:
+            return False
+        # near the epoch's end every step counts: the others schedule their matchmaking and end the epoch on these
+        # records (with a record per share only, a quick local-mode swarm waited 0.5 s more per round to match)
+        rate = self.performance_ema.samples_per_second * max(1, self.global_progress.num_peers)
+        near_end = max(self.report_every_step_within, 2 * share / max(rate, MIN_MEASURED_RATE))
+        return self.global_progress.eta_next_epoch - get_dht_time() > near_end
 
     @property
     def ready_to_update_epoch(self) -> bool:
