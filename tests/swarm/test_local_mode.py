@@ -265,8 +265,8 @@ def test_a_trainer_one_epoch_behind_drops_the_round_the_others_ended_at_once():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_local_mode_trainer_publishes_its_progress_once_per_share_of_the_round():
-    """hivemind stores a signed progress record at every local step; on a home uplink that was most of sparse local
-    mode's bytes. A local-mode trainer stores one per ``REPORT_SHARE`` of the round (peer.swarm.hivemind_seam.
+    """hivemind stores a signed progress record at every local step; on a home uplink that was about half of sparse
+    local mode's bytes. A local-mode trainer stores one per ``REPORT_SHARE`` of the round (peer.swarm.hivemind_seam.
     progress), and the other peer still sees its progress within a share; sync mode keeps a record per step."""
     from peer.swarm.hivemind_seam.progress import REPORT_SHARE, LeanHiveProgressTracker
 

@@ -83,8 +83,8 @@ class LeanHiveProgressTracker(ProgressTracker):
     Given ``report_share`` (``--sync_mode local``), this peer stores its own record only once it has added that share
     of the target since its last one, at a new epoch or a reset, and at every step once the epoch's estimated end is
     less than two shares or ``report_every_step_within`` seconds away. hivemind stores a signed record at every local
-    step: on a 10 Mbit/s uplink that was most of sparse local mode's bytes (about 0.44 of 0.63 KB per trained sample,
-    docs/benchmarks.md).
+    step: on home_asym links that was about half of sparse local mode's bytes (per trained sample 0.9 -> 0.5 KB at
+    H = 32, 0.6 -> 0.3 KB at H = 64, docs/benchmarks.md).
 
     Each ignored record is logged once per peer and reason (a warning), then at DEBUG.
     """
