@@ -23,7 +23,8 @@ THROUGHPUT_FACTOR = 1.0  # another peer's throughput counts at most as the swarm
 MAX_SAMPLES_PER_SECOND = 1e6  # ...and never more than this
 MIN_MEASURED_RATE = 1e-6  # below this, a peer has not measured its own throughput yet (hivemind starts at eps)
 IMPLAUSIBLE_FACTOR = 10.0  # a throughput this many times the median is logged as implausible
-# samples another peer is assumed to have added since its last report, at most (honest peers report every step)
+# samples another peer is assumed to have added since its last report, at most (honest peers report every step, in
+# local mode every REPORT_SHARE of the target)
 MAX_EXTRAPOLATED_SHARE = 0.125
 MAX_PEER_SHARE = 0.5  # of target_batch_size, what one other peer's record may account for
 REFUTED_SECONDS = 60.0  # how long a peer whose epoch claim a state download refuted has its lead ignored...
