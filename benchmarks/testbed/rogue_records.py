@@ -23,6 +23,7 @@ import argparse
 import logging
 import statistics
 import time
+from pathlib import Path
 
 import hivemind
 from hivemind.optim.progress_tracker import LocalTrainingProgress
@@ -141,9 +142,20 @@ def main() -> None:
     parser.add_argument("--no_squat", action="store_true", help="only write hostile signed records")
     parser.add_argument("--health", action="store_true", help="write metrics records with hostile round health only")
     parser.add_argument("--events_file", default=None)
+    parser.add_argument(
+        "--start_after",
+        type=Path,
+        default=None,
+        help="join only once this file exists: a test starts the process early, so that its start-up on a busy "
+        "machine does not eat the swarm's epochs before the first hostile round",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rogue %(message)s")
     events.open_events(args.events_file)
+    if args.start_after is not None:
+        events.emit("rogue_started")
+        while not args.start_after.exists():
+            time.sleep(0.1)
     # the run's validators strip signatures from what it reads (its own node keeps whatever it stores itself)
     validators, _ = make_validators(args.run_id, RSAPrivateKey())
     dht = hivemind.DHT(

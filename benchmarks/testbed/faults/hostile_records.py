@@ -57,11 +57,15 @@ def hostile_records_swarm(folder: Path) -> Dict[str, Any]:
         epochs = ["--max_epochs", str(MAX_EPOCHS)]
         first, second = (start_trainer(folder, name, RUN_ID, initial_peers=addrs, extra=epochs) for name in "ab")
         procs += [first, second]
+        # started now, it joins when told to: a CI run's rogue, started only after epoch 1, took until epoch 15 of 18
+        go = folder / "rogue.go"
+        rogue = start_rogue(folder, addrs, "--start_after", str(go))
+        procs.append(rogue)
         wait_for_epoch(first, 1, timeout=STARTUP)
         wait_for_epoch(second, 1, timeout=60)
 
-        rogue = start_rogue(folder, addrs)
-        procs.append(rogue)
+        rogue.events.wait("rogue_started", timeout=STARTUP)
+        go.touch()
         rogue.events.wait("rogue_ready", timeout=STARTUP)
         poisoned_from = max(int(e["epoch"]) for p in (first, second) for e in epoch_done_events(p)) + 1
         details["poisoned_from_epoch"] = poisoned_from

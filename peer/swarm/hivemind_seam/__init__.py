@@ -108,6 +108,10 @@ Round results (``round_result``: ``RoundResultSharing``, mixed into ``LeanHiveGr
   dtypes, finiteness, size; answers agree bit for bit; a norm bound), and steps with it. Uses ``allreduce_kwargs``
   (the wire compression) and ``tensor_infos``. A round is named by its group's ID (``_run_allreduce_inplace_``
   passes it to ``_allreduce_began``) where the asker's group formed, then by its epoch.
+  A ``probe`` ask (``round_began_without_this_peer``) gets only a status: whether the peer holds that round's result
+  or runs its all-reduce (``formed``). The optimizer's ``_wait_for_gradients`` probes while its own round still looks
+  for a group after its epoch ended (``_leave_round_formed_without_this_peer``: hivemind's ``StepControl.stage`` and
+  ``deadline``), and a trainer whose round formed without it cancels its matchmaking and fetches the result at once.
 
 Pseudo-gradient averager (``PseudoGradientAverager(LeanHiveGradientAverager)``, ``--sync_mode local``)
 - ``load_accumulators_into_averager_``: writes ``shared parameters - local parameters`` (the pseudo-gradient of the
@@ -506,6 +510,9 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.optim.grad_averager", "GradientAverager", "local_times_accumulated"),
     ("hivemind.averaging.averager", "DecentralizedAverager", "_averaged_tensors"),
     ("hivemind.averaging.averager", "DecentralizedAverager", "lock_averaged_tensors"),
+    # round_result.py: a late trainer leaves a round whose group formed without it (_leave_round_formed_without_...)
+    ("hivemind.averaging.control", "StepControl", "stage"),
+    ("hivemind.averaging.control", "StepControl", "deadline"),
 ]
 
 # --outer_compression sparse (``sparse_wire``; its docstring says what and why). Its own block, appended: its

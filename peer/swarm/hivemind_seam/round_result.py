@@ -42,7 +42,9 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
   for E + 1 after ``none`` and takes it only if that round was still running when it asked (its epoch label lagged one
   behind: it holds the result as round E + 1, ``result_epoch``, and the optimizer moves its epoch on by one); one that
   found no group does not (the others' next round is not the round it missed: a home volunteer that came late for
-  round 0 took round 1's result that way).
+  round 0 took round 1's result that way). ``{"epoch": E, "probe": True}`` is answered with a status only
+  (``_probe_status``: ``ok``, ``formed`` while this peer's all-reduce of E runs, ``later``, ``pending`` or
+  ``none``): a trainer still looking for a group when its epoch ended learns whether the round began without it.
 - ``fetch_round_result`` (host) / ``_fetch_round_result`` (averager process): asks up to ``ASK`` of the given
   peers at once until ``timeout``. Each answer is untrusted: its tensors must have this peer's shapes and dtypes, be
   finite and come in at most the uncompressed size. Two or more answers must agree bit for bit (the largest group
@@ -263,6 +265,22 @@ class RoundResultSharing:
             return "busy", None
         return "ok", match
 
+    def _probe_status(self, epoch: int) -> str:
+        """The answer to a probe of round ``epoch`` (``round_began_without_this_peer``): ``ok`` if this peer holds its
+        result, ``formed`` while its all-reduce of it runs (its group formed), ``later`` while it began the round
+        but has no group yet, ``pending`` where that is the round it begins next, else ``none``. No tensor moves.
+        An assisting aux answers ``none``: it serves no result, and its epoch label may lag the trainers' by one."""
+        if not self.shares_round_results or self.mode == AveragingMode.AUX:
+            return "none"
+        if any(held.epoch == epoch for held in self._held()):
+            return "ok"
+        begun, ended = self.round_epoch.value, self.ended_epoch.value
+        if epoch == begun and epoch != ended:
+            return "formed" if self.formed_epoch.value == epoch else "later"
+        if epoch == begun + 1 and ended == begun:
+            return "pending"
+        return "none"
+
     async def rpc_round_result(
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
@@ -275,6 +293,9 @@ class RoundResultSharing:
                 raise ValueError("group")
         except Exception:
             yield self._answer(status="malformed")
+            return
+        if ask.get("probe") is True:
+            yield self._answer(status=self._probe_status(epoch))
             return
         status, held = self._status_for(context.remote_id, epoch, group, self._held())
         if held is None:
@@ -376,6 +397,50 @@ class RoundResultSharing:
         finally:
             if not future.done():
                 future.set_result(used)
+
+    def round_began_without_this_peer(self, *, epoch: int, candidates: Sequence[PeerID], timeout: float) -> bool:
+        """(host) Whether round ``epoch`` already began among the others while this peer still looks for a group:
+        some of up to ``ASK`` of ``candidates`` hold its result or run its all-reduce (``_probe_status``), and none
+        says it begins that round next. One answer can claim it falsely; the cost to this peer is then the round,
+        which the result fetch that follows does not replace (its answers must agree and stay within the norm bound)."""
+        future = MPFuture()
+        probe = dict(future=future, epoch=epoch, candidates=list(candidates), timeout=timeout)
+        self._outer_pipe.send(("_probe_round", [], probe))
+        try:
+            return bool(future.result(timeout=timeout + 10))
+        except Exception as e:
+            logger.warning("Probing round %d failed: %r", epoch, e)
+            return False
+
+    async def _probe_round(self, future, epoch: int, candidates, timeout: float):
+        began = False
+        try:
+            peers = [peer for peer in candidates if peer != self.peer_id]
+            random.shuffle(peers)
+            deadline = time.monotonic() + timeout
+            answers = await asyncio.gather(
+                *(self._probe_peer(peer, epoch, deadline) for peer in peers[:ASK]), return_exceptions=True
+            )
+            statuses = [answer for answer in answers if isinstance(answer, str)]
+            began = "pending" not in statuses and any(status in ("ok", "formed") for status in statuses)
+        except Exception as e:
+            logger.debug("Probing round %d failed: %r", epoch, e)
+        finally:
+            if not future.done():
+                future.set_result(began)
+
+    async def _probe_peer(self, peer: PeerID, epoch: int, deadline: float) -> str:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        request = averaging_pb2.DownloadData(metadata=self.serializer.dumps({"epoch": epoch, "probe": True}))
+        stream = await asyncio.wait_for(stub.rpc_round_result(request), timeout=max(0.0, deadline - time.monotonic()))
+        iterator = stream.__aiter__()
+        try:  # a peer without probes may answer ``ok`` and stream the result: only the head is read
+            head = await asyncio.wait_for(iterator.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            await close_stream(iterator)
+        answer = self.serializer.loads(head.metadata)
+        status = answer.get("status") if isinstance(answer, dict) else None
+        return status if isinstance(status, str) else "malformed"
 
     def _layout(self) -> List[Tuple[torch.Size, torch.dtype]]:
         # no lock: shapes and dtypes never change, and the averager process must never block its event loop on the

@@ -1,0 +1,117 @@
+"""A sync trainer that comes to its epoch's end after the others' round began without it leaves its matchmaking at
+once and takes the round's result from them (``LeanHiveOptimizer._leave_round_formed_without_this_peer``,
+round_result.py's probe): real hivemind optimizers, each with its own DHT and averager processes, on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Iterator
+
+import hivemind
+import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from benchmarks.testbed.processes import share_tensors_by_file_descriptor
+from peer.swarm.config import CollaborationArguments, OptimizerArguments
+from peer.swarm.optimizer import build_optimizer
+
+
+@contextlib.contextmanager
+def _sync_trainers(collab: CollaborationArguments, run_id: str, count: int) -> Iterator[list]:
+    """``count`` real sync-mode optimizers, each with its own DHT (and hivemind's averager processes), on
+    127.0.0.1: ``[(model, optimizer), ...]``; shut down on exit."""
+    share_tensors_by_file_descriptor()
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [first] + [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+        for _ in range(count - 1)
+    ]
+    trainers = []
+    try:
+        for dht in dhts:
+            torch.manual_seed(0)  # the same initialization everywhere, as --init_seed gives
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+            optimizer = build_optimizer(
+                model=model,
+                dht=dht,
+                run_id=run_id,
+                signing_key=RSAPrivateKey(),
+                batch_size_per_step=LATE_BATCH,
+                collab=collab,
+                optim=OptimizerArguments(learning_rate=1e-2, warmup_steps=0, total_steps=100, lr_schedule="constant"),
+                client_mode=False,
+            )
+            trainers.append((model, optimizer))
+        yield trainers
+    finally:
+        for _, optimizer in trainers:
+            optimizer.shutdown()
+        for dht in reversed(dhts):
+            dht.shutdown()
+
+
+LATE_BATCH = 8
+
+
+def _backward(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    inputs, targets = torch.randn(LATE_BATCH, 16, generator=generator), torch.randn(LATE_BATCH, 4, generator=generator)
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_trainer_that_comes_after_the_others_round_began_takes_its_result_without_waiting_out_matchmaking():
+    """Sync mode, three trainers: two end the epoch and average it while the third has not reached its epoch's end.
+    When it does, that round began (and ended) without it. It leaves its own matchmaking at once (it asks the others
+    whether the round began without it: ``LeanHiveOptimizer._leave_round_formed_without_this_peer``) and steps with
+    the result the two took, in the same epoch. It used to wait out its matchmaking window (``averaging_timeout``)
+    first: on the home testbed that made a late volunteer late for every later round too."""
+    collab = CollaborationArguments(
+        target_batch_size=2 * LATE_BATCH,
+        matchmaking_time=1.0,
+        averaging_timeout=20.0,
+        compression="none",
+        average_state_every=1000,  # no state averaging round: the time below is the gradient round's alone
+    )
+    with _sync_trainers(collab, "late_trainer", 3) as trainers:
+        (first_model, first), (second_model, second), (late_model, late) = trainers
+        for _, optimizer in trainers:
+            assert optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout=30)
+        # its first step while the swarm is at its epoch: hivemind's once-per-epoch strict check passes (a trainer
+        # on another epoch than the swarm's downloads the state instead)
+        _backward(late_model, seed=2)
+        late.step(batch_size=1)
+
+        def end_epoch(model, optimizer, seed):
+            _backward(model, seed)
+            optimizer.step(batch_size=LATE_BATCH)
+            deadline = time.monotonic() + 60
+            while optimizer.local_epoch == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+                optimizer.step(batch_size=0)
+
+        threads = [
+            threading.Thread(target=end_epoch, args=(first_model, first, 0)),
+            threading.Thread(target=end_epoch, args=(second_model, second, 1)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=90)
+        assert first.local_epoch == second.local_epoch == 1 and not first.missed_round
+        deadline = time.monotonic() + 30
+        while late.tracker.global_epoch < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert late.tracker.global_epoch == 1 and late.local_epoch == 0
+
+        began = time.monotonic()
+        late.step(batch_size=0)  # its epoch's end: the others' round is over
+        took = time.monotonic() - began
+        assert late.local_epoch == 1 and late.repaired_rounds == 1 and not late.missed_round
+        assert took < collab.averaging_timeout / 2, took  # it did not wait out its matchmaking window
+        for got, want in zip(late_model.parameters(), first_model.parameters()):
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=0)
