@@ -1,5 +1,5 @@
-"""A sync trainer that comes to its epoch's end after the others' round began without it leaves its matchmaking at
-once and takes the round's result from them (``LeanHiveOptimizer._leave_round_formed_without_this_peer``,
+"""A sync trainer that comes to its epoch's end after the others took its round without it leaves its matchmaking at
+once and takes the round's result from them (``LeanHiveOptimizer._leave_round_taken_without_this_peer``,
 round_result.py's probe): real hivemind optimizers, each with its own DHT and averager processes, on loopback."""
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ def _backward(model: torch.nn.Module, seed: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_trainer_that_comes_after_the_others_round_began_takes_its_result_without_waiting_out_matchmaking():
+def test_a_trainer_that_comes_after_the_others_took_its_round_takes_its_result_without_waiting_out_matchmaking():
     """Sync mode, three trainers: two end the epoch and average it while the third has not reached its epoch's end.
     When it does, that round began (and ended) without it. It leaves its own matchmaking at once (it asks the others
-    whether the round began without it: ``LeanHiveOptimizer._leave_round_formed_without_this_peer``) and steps with
+    whether they hold the round's result: ``LeanHiveOptimizer._leave_round_taken_without_this_peer``) and steps with
     the result the two took, in the same epoch. It used to wait out its matchmaking window (``averaging_timeout``)
     first: on the home testbed that made a late volunteer late for every later round too."""
     collab = CollaborationArguments(

@@ -41,10 +41,10 @@ _Rogue.__name__ = _Averager.__name__  # hivemind names its RPCs after the class
 
 
 class _ProbeLiar(_Averager):
-    """Answers every probe that the round's all-reduce already runs."""
+    """Answers every probe that it holds the round's result."""
 
     def _probe_status(self, epoch):
-        return "formed"
+        return "ok"
 
 
 _ProbeLiar.__name__ = _Averager.__name__
@@ -324,33 +324,34 @@ def test_a_result_of_8_bit_parts_travels_in_its_own_codes_bit_for_bit(size):
 
 
 @pytest.mark.timeout(120)
-def test_a_late_trainer_learns_whether_the_round_began_without_it_and_a_lying_probe_is_outweighed():
-    """A trainer still looking for a group when its epoch ends asks whether the others' all-reduce of the round began
-    (``round_began_without_this_peer``): it did only where a peer runs it (its group formed) or holds its result.
-    A peer that began the round but has no group yet, or begins it next, means the late one may still join; a peer
-    that claims the round runs while an honest one begins it next does not make it leave."""
+def test_a_late_trainer_learns_whether_the_round_ended_without_it_and_a_lying_probe_is_outweighed():
+    """A trainer still looking for a group when its epoch ends asks whether the others took the round without it
+    (``round_ended_without_this_peer``): they did only where a peer holds its result. A peer that began the round
+    and has no result yet (no group, or an all-reduce that runs and may still break off and look for a group again),
+    or begins it next, means the late one may still join; a peer that claims the result while an honest one begins
+    the round next does not make it leave."""
     modes = ["node"] * 3 + ["client"]
     dhts, averagers = start_averagers(
         [_Averager, _Averager, _ProbeLiar, _Averager], _inputs(4), modes, prefix="probe", compression=None
     )
     honest, other, liar, late = averagers
 
-    def began(*peers) -> bool:
+    def ended(*peers) -> bool:
         ids = [peer.peer_id for peer in peers]
-        return late.round_began_without_this_peer(epoch=EPOCH, candidates=ids, timeout=10)
+        return late.round_ended_without_this_peer(epoch=EPOCH, candidates=ids, timeout=10)
 
     try:
         for peer in (honest, other):  # both began round EPOCH (their epoch ended), no group yet
             peer.round_epoch.value, peer.ended_epoch.value = EPOCH, EPOCH - 1
-        assert not began(honest, other)
-        honest.formed_epoch.value = EPOCH  # its all-reduce of the round began
-        assert began(honest, other)
-        honest.formed_epoch.value, honest.ended_epoch.value = -1, EPOCH  # the round over, its result not held
+        assert not ended(honest, other)
+        honest.formed_epoch.value = EPOCH  # its all-reduce of the round began: it may still break off
+        assert not ended(honest, other)
+        honest.ended_epoch.value = EPOCH  # the round over, its result held
         honest.result_epoch.value = EPOCH
-        assert began(honest)
+        assert ended(honest)
         honest.result_epoch.value = -1
         honest.round_epoch.value, honest.ended_epoch.value = EPOCH - 1, EPOCH - 1  # EPOCH is the round it begins next
-        assert not began(honest, liar)
-        assert not began(other, honest)
+        assert not ended(honest, liar)
+        assert not ended(other, honest)
     finally:
         shut_down(averagers + dhts)

@@ -108,10 +108,10 @@ Round results (``round_result``: ``RoundResultSharing``, mixed into ``LeanHiveGr
   dtypes, finiteness, size; answers agree bit for bit; a norm bound), and steps with it. Uses ``allreduce_kwargs``
   (the wire compression) and ``tensor_infos``. A round is named by its group's ID (``_run_allreduce_inplace_``
   passes it to ``_allreduce_began``) where the asker's group formed, then by its epoch.
-  A ``probe`` ask (``round_began_without_this_peer``) gets only a status: whether the peer holds that round's result
-  or runs its all-reduce (``formed``). The optimizer's ``_wait_for_gradients`` probes while its own round still looks
-  for a group after its epoch ended (``_leave_round_formed_without_this_peer``: hivemind's ``StepControl.stage`` and
-  ``deadline``), and a trainer whose round formed without it cancels its matchmaking and fetches the result at once.
+  A ``probe`` ask (``round_ended_without_this_peer``) gets only a status: whether the peer holds that round's result.
+  The optimizer's ``_wait_for_gradients`` probes while its own round still looks for a group after its epoch ended
+  (``_leave_round_taken_without_this_peer``: hivemind's ``StepControl.stage`` and ``deadline``), and a trainer whose
+  round the others took without it cancels its matchmaking and fetches the result at once.
 
 Pseudo-gradient averager (``PseudoGradientAverager(LeanHiveGradientAverager)``, ``--sync_mode local``)
 - ``load_accumulators_into_averager_``: writes ``shared parameters - local parameters`` (the pseudo-gradient of the
@@ -510,7 +510,7 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.optim.grad_averager", "GradientAverager", "local_times_accumulated"),
     ("hivemind.averaging.averager", "DecentralizedAverager", "_averaged_tensors"),
     ("hivemind.averaging.averager", "DecentralizedAverager", "lock_averaged_tensors"),
-    # round_result.py: a late trainer leaves a round whose group formed without it (_leave_round_formed_without_...)
+    # averaging.py: a late trainer leaves a round the others took without it (_leave_round_taken_without_this_peer)
     ("hivemind.averaging.control", "StepControl", "stage"),
     ("hivemind.averaging.control", "StepControl", "deadline"),
 ]

@@ -1247,7 +1247,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         try:
             if maybe_step_control is not None:
                 self.round_wait.watch(maybe_step_control)
-                self._leave_round_formed_without_this_peer(maybe_step_control)
+                self._leave_round_taken_without_this_peer(maybe_step_control)
                 group_info = maybe_step_control.result(self.round_wait.seconds())
                 logger.log(self.status_loglevel, f"Averaged gradients with {len(group_info)} peers")
                 took_whole = self._round_was_whole()
@@ -1278,12 +1278,14 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                 return
         self._load_local_gradients_into_optimizer()
 
-    def _leave_round_formed_without_this_peer(self, control: StepControl) -> None:
+    def _leave_round_taken_without_this_peer(self, control: StepControl) -> None:
         """Sync mode: a trainer whose epoch ended while it still looked for a group asks the peers that may take the
-        round whether their all-reduce of it began (``round_began_without_this_peer``), every ``PROBE_EVERY`` s until
-        its own group forms. If it began, the group formed without this peer, which can no longer join it: it
-        cancels its matchmaking at once and takes the round's result from them (``_repair_from_round_result``, as
-        after a failed round) instead of waiting out its matchmaking window. On the home testbed (b) a volunteer
+        round whether they hold its result (``round_ended_without_this_peer``), every ``PROBE_EVERY`` s until its own
+        group forms. If one does and none begins that round next, the round ended without this peer, which can no
+        longer join it: it cancels its matchmaking at once and takes the round's result from them
+        (``_repair_from_round_result``, as after a failed round) instead of waiting out its matchmaking window. A
+        group that merely formed does not count: its all-reduce can break off and look for a group again, which this
+        peer may then join. On the home testbed (b) a volunteer
         that came late once waited out that window (3 s) and its repair, reached its next epoch's end after the
         others had formed the next group, and so on: 11 of 25 rounds, one local step per epoch."""
         averager = self.grad_averager
@@ -1297,16 +1299,15 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             candidates = self._round_result_candidates(epoch) if candidates is None else candidates
             if not candidates:
                 return
-            if averager.round_began_without_this_peer(epoch=epoch, candidates=candidates, timeout=PROBE_TIMEOUT):
+            if averager.round_ended_without_this_peer(epoch=epoch, candidates=candidates, timeout=PROBE_TIMEOUT):
                 if control.stage == AveragingStage.LOOKING_FOR_GROUP and not control.done():
                     cancel_step(control)
                     logger.info(
-                        "Came late for round %d: the others' all-reduce of it began without this peer; taking its "
-                        "result from them",
+                        "Came late for round %d: the others took it without this peer; taking its result from them",
                         epoch,
                     )
                 return
-            logger.debug("Round %d: no group yet for this peer, and the others' all-reduce of it has not begun", epoch)
+            logger.debug("Round %d: no group yet for this peer, and no other peer holds its result", epoch)
             time.sleep(PROBE_EVERY)
 
     def _repair_from_round_result(self, outside_group: bool = False) -> bool:

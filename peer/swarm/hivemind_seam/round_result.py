@@ -43,8 +43,8 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
   behind: it holds the result as round E + 1, ``result_epoch``, and the optimizer moves its epoch on by one); one that
   found no group does not (the others' next round is not the round it missed: a home volunteer that came late for
   round 0 took round 1's result that way). ``{"epoch": E, "probe": True}`` is answered with a status only
-  (``_probe_status``: ``ok``, ``formed`` while this peer's all-reduce of E runs, ``later``, ``pending`` or
-  ``none``): a trainer still looking for a group when its epoch ended learns whether the round began without it.
+  (``_probe_status``: ``ok``, ``later``, ``pending`` or ``none``): a trainer still looking for a group when its
+  epoch ended learns whether the others already hold the round's result.
 - ``fetch_round_result`` (host) / ``_fetch_round_result`` (averager process): asks up to ``ASK`` of the given
   peers at once until ``timeout``. Each answer is untrusted: its tensors must have this peer's shapes and dtypes, be
   finite and come in at most the uncompressed size. Two or more answers must agree bit for bit (the largest group
@@ -266,9 +266,10 @@ class RoundResultSharing:
         return "ok", match
 
     def _probe_status(self, epoch: int) -> str:
-        """The answer to a probe of round ``epoch`` (``round_began_without_this_peer``): ``ok`` if this peer holds its
-        result, ``formed`` while its all-reduce of it runs (its group formed), ``later`` while it began the round
-        but has no group yet, ``pending`` where that is the round it begins next, else ``none``. No tensor moves.
+        """The answer to a probe of round ``epoch`` (``round_ended_without_this_peer``): ``ok`` if this peer holds its
+        result, ``later`` while it began the round and has no result of it yet (its all-reduce may still run, or
+        break off and look for a group again), ``pending`` where that is the round it begins next, else ``none``.
+        No tensor moves.
         An assisting aux answers ``none``: it serves no result, and its epoch label may lag the trainers' by one."""
         if not self.shares_round_results or self.mode == AveragingMode.AUX:
             return "none"
@@ -276,7 +277,7 @@ class RoundResultSharing:
             return "ok"
         begun, ended = self.round_epoch.value, self.ended_epoch.value
         if epoch == begun and epoch != ended:
-            return "formed" if self.formed_epoch.value == epoch else "later"
+            return "later"
         if epoch == begun + 1 and ended == begun:
             return "pending"
         return "none"
@@ -398,10 +399,10 @@ class RoundResultSharing:
             if not future.done():
                 future.set_result(used)
 
-    def round_began_without_this_peer(self, *, epoch: int, candidates: Sequence[PeerID], timeout: float) -> bool:
-        """(host) Whether round ``epoch`` already began among the others while this peer still looks for a group:
-        some of up to ``ASK`` of ``candidates`` hold its result or run its all-reduce (``_probe_status``), and none
-        says it begins that round next. One answer can claim it falsely; the cost to this peer is then the round,
+    def round_ended_without_this_peer(self, *, epoch: int, candidates: Sequence[PeerID], timeout: float) -> bool:
+        """(host) Whether round ``epoch`` already ended among the others while this peer still looks for a group:
+        some of up to ``ASK`` of ``candidates`` hold its result (``_probe_status``), and none says it begins that
+        round next. One answer can claim it falsely; the cost to this peer is then the round,
         which the result fetch that follows does not replace (its answers must agree and stay within the norm bound)."""
         future = MPFuture()
         probe = dict(future=future, epoch=epoch, candidates=list(candidates), timeout=timeout)
@@ -422,7 +423,10 @@ class RoundResultSharing:
                 *(self._probe_peer(peer, epoch, deadline) for peer in peers[:ASK]), return_exceptions=True
             )
             statuses = [answer for answer in answers if isinstance(answer, str)]
-            began = "pending" not in statuses and any(status in ("ok", "formed") for status in statuses)
+            # a formed group is not enough: its all-reduce can break off, and hivemind's matchmaking then goes on
+            # until the round's deadline, where this peer may still join (a CI run beside a trainer whose all-reduce
+            # failed every round: the healthy ones left 16 rounds that then had no result)
+            began = "pending" not in statuses and "ok" in statuses
         except Exception as e:
             logger.debug("Probing round %d failed: %r", epoch, e)
         finally:
