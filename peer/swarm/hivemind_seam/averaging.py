@@ -573,7 +573,7 @@ state's size it bounds a download that trickles forever (``state_download_second
 MAX_RETRY_PAUSE = 5.0
 """The longest pause before the peers that declared their state are asked again (``StateDownloadSettings``)."""
 PROBE_EVERY = 0.25
-"""Seconds between a late trainer's probes of whether the others' round began without it."""
+"""Seconds between a late trainer's probes of whether the others took its round without it."""
 PROBE_TIMEOUT = 1.0
 """The longest a probe waits for the peers' answers (a status each, no tensors)."""
 
@@ -1285,9 +1285,9 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         longer join it: it cancels its matchmaking at once and takes the round's result from them
         (``_repair_from_round_result``, as after a failed round) instead of waiting out its matchmaking window. A
         group that merely formed does not count: its all-reduce can break off and look for a group again, which this
-        peer may then join. On the home testbed (b) a volunteer
-        that came late once waited out that window (3 s) and its repair, reached its next epoch's end after the
-        others had formed the next group, and so on: 11 of 25 rounds, one local step per epoch."""
+        peer may then join. On the home testbed (b) a volunteer that came late once waited out that window (3 s) and
+        its repair, reached its next epoch's end after the others had formed the next group, and so on: 11 of 25
+        rounds, one local step per epoch."""
         averager = self.grad_averager
         if self.auxiliary or self.local_updates or not getattr(averager, "shares_round_results", False):
             return

@@ -269,8 +269,8 @@ class RoundResultSharing:
         """The answer to a probe of round ``epoch`` (``round_ended_without_this_peer``): ``ok`` if this peer holds its
         result, ``later`` while it began the round and has no result of it yet (its all-reduce may still run, or
         break off and look for a group again), ``pending`` where that is the round it begins next, else ``none``.
-        No tensor moves.
-        An assisting aux answers ``none``: it serves no result, and its epoch label may lag the trainers' by one."""
+        No tensor moves. An assisting aux answers ``none``: it serves no result, and its epoch label may lag the
+        trainers' by one."""
         if not self.shares_round_results or self.mode == AveragingMode.AUX:
             return "none"
         if any(held.epoch == epoch for held in self._held()):
@@ -402,8 +402,8 @@ class RoundResultSharing:
     def round_ended_without_this_peer(self, *, epoch: int, candidates: Sequence[PeerID], timeout: float) -> bool:
         """(host) Whether round ``epoch`` already ended among the others while this peer still looks for a group:
         some of up to ``ASK`` of ``candidates`` hold its result (``_probe_status``), and none says it begins that
-        round next. One answer can claim it falsely; the cost to this peer is then the round,
-        which the result fetch that follows does not replace (its answers must agree and stay within the norm bound)."""
+        round next. One answer can claim it falsely; the cost to this peer is then the round, which the result fetch
+        that follows does not replace (its answers must agree and stay within the norm bound)."""
         future = MPFuture()
         probe = dict(future=future, epoch=epoch, candidates=list(candidates), timeout=timeout)
         self._outer_pipe.send(("_probe_round", [], probe))
@@ -414,7 +414,7 @@ class RoundResultSharing:
             return False
 
     async def _probe_round(self, future, epoch: int, candidates, timeout: float):
-        began = False
+        ended = False
         try:
             peers = [peer for peer in candidates if peer != self.peer_id]
             random.shuffle(peers)
@@ -426,12 +426,12 @@ class RoundResultSharing:
             # a formed group is not enough: its all-reduce can break off, and hivemind's matchmaking then goes on
             # until the round's deadline, where this peer may still join (a CI run beside a trainer whose all-reduce
             # failed every round: the healthy ones left 16 rounds that then had no result)
-            began = "pending" not in statuses and "ok" in statuses
+            ended = "pending" not in statuses and "ok" in statuses
         except Exception as e:
             logger.debug("Probing round %d failed: %r", epoch, e)
         finally:
             if not future.done():
-                future.set_result(began)
+                future.set_result(ended)
 
     async def _probe_peer(self, peer: PeerID, epoch: int, deadline: float) -> str:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
