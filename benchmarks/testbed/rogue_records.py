@@ -153,7 +153,6 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rogue %(message)s")
     events.open_events(args.events_file)
     if args.start_after is not None:
-        events.emit("rogue_started")
         while not args.start_after.exists():
             time.sleep(0.1)
     # the run's validators strip signatures from what it reads (its own node keeps whatever it stores itself)

@@ -64,7 +64,6 @@ def hostile_records_swarm(folder: Path) -> Dict[str, Any]:
         wait_for_epoch(first, 1, timeout=STARTUP)
         wait_for_epoch(second, 1, timeout=60)
 
-        rogue.events.wait("rogue_started", timeout=STARTUP)
         go.touch()
         rogue.events.wait("rogue_ready", timeout=STARTUP)
         poisoned_from = max(int(e["epoch"]) for p in (first, second) for e in epoch_done_events(p)) + 1

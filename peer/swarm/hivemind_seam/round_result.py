@@ -251,19 +251,24 @@ class RoundResultSharing:
         else:
             match = next((h for h in held if h.epoch == epoch), None)
             if match is None:
-                begun, ended = self.round_epoch.value, self.ended_epoch.value
-                if epoch == begun and epoch != ended:
-                    return "later", None
-                # a client whose round failed as it began asked before this peer's epoch ended (a CI run: 60 ms
-                # after its fault, while both full peers still accumulated); "none" made it step apart. An
-                # assisting aux never holds a result: it would only keep the asker waiting
-                pending = epoch == begun + 1 and ended == begun and self.mode != AveragingMode.AUX
-                return ("pending" if pending else "none"), None
+                return self._unheld_status(epoch), None
         if self._served.get(asker) == match.epoch:
             return "refused", None
         if self._serving >= SERVE_MAX:
             return "busy", None
         return "ok", match
+
+    def _unheld_status(self, epoch: int) -> str:
+        """The answer for round ``epoch`` where this peer holds no result of it: ``later`` while it began that round,
+        ``pending`` where that is the round it begins next, else ``none``."""
+        begun, ended = self.round_epoch.value, self.ended_epoch.value
+        if epoch == begun and epoch != ended:
+            return "later"
+        # a client whose round failed as it began asked before this peer's epoch ended (a CI run: 60 ms after its
+        # fault, while both full peers still accumulated); "none" made it step apart. An assisting aux never holds a
+        # result: it would only keep the asker waiting
+        pending = epoch == begun + 1 and ended == begun and self.mode != AveragingMode.AUX
+        return "pending" if pending else "none"
 
     def _probe_status(self, epoch: int) -> str:
         """The answer to a probe of round ``epoch`` (``round_ended_without_this_peer``): ``ok`` if this peer holds its
@@ -275,12 +280,7 @@ class RoundResultSharing:
             return "none"
         if any(held.epoch == epoch for held in self._held()):
             return "ok"
-        begun, ended = self.round_epoch.value, self.ended_epoch.value
-        if epoch == begun and epoch != ended:
-            return "later"
-        if epoch == begun + 1 and ended == begun:
-            return "pending"
-        return "none"
+        return self._unheld_status(epoch)
 
     async def rpc_round_result(
         self, request: averaging_pb2.DownloadData, context: P2PContext
