@@ -3,7 +3,8 @@ on a DHT of 127.0.0.1 (test_optimizer_state.py, the fault tests)."""
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 
@@ -37,3 +38,48 @@ def peer_on(run_id: str, initial_peers=(), model: Optional[torch.nn.Module] = No
         client_mode=False,
     )
     return dht, model, opt
+
+
+@contextlib.contextmanager
+def loopback_optimizers(
+    models: Sequence[torch.nn.Module],
+    *,
+    collab: CollaborationArguments,
+    optim: OptimizerArguments,
+    run_id: str,
+    batch_size_per_step: int,
+) -> Iterator[List]:
+    """One real optimizer per model, each with its own DHT (and hivemind's averager processes) on 127.0.0.1, the
+    first DHT the others' initial peer; shut down on exit."""
+    import hivemind
+
+    from benchmarks.testbed.processes import share_tensors_by_file_descriptor
+    from peer.swarm.optimizer import build_optimizer
+
+    share_tensors_by_file_descriptor()
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [first] + [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+        for _ in models[1:]
+    ]
+    optimizers = []
+    try:
+        for model, dht in zip(models, dhts):
+            optimizers.append(
+                build_optimizer(
+                    model=model,
+                    dht=dht,
+                    run_id=run_id,
+                    signing_key=hivemind.utils.crypto.RSAPrivateKey(),
+                    batch_size_per_step=batch_size_per_step,
+                    collab=collab,
+                    optim=optim,
+                    client_mode=False,
+                )
+            )
+        yield optimizers
+    finally:
+        for optimizer in optimizers:
+            optimizer.shutdown()
+        for dht in reversed(dhts):
+            dht.shutdown()

@@ -9,48 +9,26 @@ import threading
 import time
 from typing import Iterator
 
-import hivemind
 import pytest
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
 
-from benchmarks.testbed.processes import share_tensors_by_file_descriptor
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
-from peer.swarm.optimizer import build_optimizer
+from tests.support.optimizers import loopback_optimizers
 
 
 @contextlib.contextmanager
 def _sync_trainers(collab: CollaborationArguments, run_id: str, count: int) -> Iterator[list]:
-    """``count`` real sync-mode optimizers, each with its own DHT (and hivemind's averager processes), on
-    127.0.0.1: ``[(model, optimizer), ...]``; shut down on exit."""
-    share_tensors_by_file_descriptor()
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [first] + [
-        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-        for _ in range(count - 1)
-    ]
-    trainers = []
-    try:
-        for dht in dhts:
-            torch.manual_seed(0)  # the same initialization everywhere, as --init_seed gives
-            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
-            optimizer = build_optimizer(
-                model=model,
-                dht=dht,
-                run_id=run_id,
-                signing_key=RSAPrivateKey(),
-                batch_size_per_step=LATE_BATCH,
-                collab=collab,
-                optim=OptimizerArguments(learning_rate=1e-2, warmup_steps=0, total_steps=100, lr_schedule="constant"),
-                client_mode=False,
-            )
-            trainers.append((model, optimizer))
-        yield trainers
-    finally:
-        for _, optimizer in trainers:
-            optimizer.shutdown()
-        for dht in reversed(dhts):
-            dht.shutdown()
+    """``count`` real sync-mode optimizers on 127.0.0.1 with the same initial parameters, as --init_seed gives:
+    ``[(model, optimizer), ...]``."""
+    models = []
+    for _ in range(count):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)))
+    optim = OptimizerArguments(learning_rate=1e-2, warmup_steps=0, total_steps=100, lr_schedule="constant")
+    with loopback_optimizers(
+        models, collab=collab, optim=optim, run_id=run_id, batch_size_per_step=LATE_BATCH
+    ) as optimizers:
+        yield list(zip(models, optimizers))
 
 
 LATE_BATCH = 8

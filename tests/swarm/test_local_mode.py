@@ -9,17 +9,15 @@ import threading
 import time
 from typing import Iterator
 
-import hivemind
 import pytest
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
 
-from benchmarks.testbed.processes import share_tensors_by_file_descriptor
 from peer.strategies import outer_momentum
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
 from peer.swarm.hivemind_seam import PseudoGradientAverager
 from peer.swarm.keys import averager_prefixes, gradient_prefix_of_mode
-from peer.swarm.optimizer import build_optimizer, make_inner_optimizer, make_outer_sgd, set_inner_learning_rate
+from peer.swarm.optimizer import make_inner_optimizer, make_outer_sgd, set_inner_learning_rate
+from tests.support.optimizers import loopback_optimizers
 
 # ------------------------------------------------------------------------------------------------ options
 
@@ -96,30 +94,11 @@ BATCH = 8
 def two_local_peers(collab: CollaborationArguments, run_id: str) -> Iterator[list]:
     """Two real local-mode optimizers, each with its own DHT (and hivemind's averager processes), on 127.0.0.1:
     ``[(model, optimizer, inner optimizer), ...]``; shut down on exit."""
-    share_tensors_by_file_descriptor()
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-    peers = []
-    try:
-        for dht in (first, second):
-            model = _model()
-            optimizer = build_optimizer(
-                model=model,
-                dht=dht,
-                run_id=run_id,
-                signing_key=RSAPrivateKey(),
-                batch_size_per_step=BATCH,
-                collab=collab,
-                optim=OPTIM,
-                client_mode=False,
-            )
-            peers.append((model, optimizer, make_inner_optimizer(model, OPTIM)))
-        yield peers
-    finally:
-        for _, optimizer, _ in peers:
-            optimizer.shutdown()
-        second.shutdown()
-        first.shutdown()
+    models = [_model(), _model()]
+    with loopback_optimizers(
+        models, collab=collab, optim=OPTIM, run_id=run_id, batch_size_per_step=BATCH
+    ) as optimizers:
+        yield [(model, optimizer, make_inner_optimizer(model, OPTIM)) for model, optimizer in zip(models, optimizers)]
 
 
 def finish_round(optimizer, batch_size: int = BATCH) -> None:
