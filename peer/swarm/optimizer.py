@@ -34,6 +34,7 @@ from peer.swarm.hivemind_seam import (
 )
 from peer.swarm.hivemind_seam.progress import REPORT_SHARE
 from peer.swarm.lamb import CPULamb8Bit
+from peer.swarm.reachability import assisting_aux_peers
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +201,7 @@ def build_optimizer(
         optimizer, scheduler = partial(make_lamb, args=optim), partial(make_scheduler, args=optim)
     return LeanHiveOptimizer(
         policy=policy,
+        assisting_peers=partial(assisting_aux_peers, dht, run_id),
         dht=dht,
         run_id=run_id,
         target_batch_size=collab.target_batch_size,

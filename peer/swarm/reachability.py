@@ -51,6 +51,7 @@ from peer.swarm.records import REACHABLE_EXPIRATION, ReachablePeer, fetch_reacha
 
 __all__ = [
     "HOW_TO_BE_REACHABLE",
+    "assisting_aux_peers",
     "Reachability",
     "ReachabilityService",
     "ReducerWatch",
@@ -103,6 +104,17 @@ def decide_without_probe(
     if not has_initial_peers:
         return Reachability(False, True, "first", "the first peer of a swarm is dialled by all the others")
     return None
+
+
+def assisting_aux_peers(dht: hivemind.DHT, run_id: str, timeout: float = 5.0) -> List[PeerID]:
+    """The aux peers that announce they assist in averaging (role ``assist``); none where the DHT does not answer.
+    A sync trainer that missed a round asks them for its result as well (they take client trainers' rounds)."""
+    try:
+        records = fetch_reachable(dht, run_id, timeout=timeout)
+    except Exception:  # noqa: BLE001 - the DHT may not answer for a moment: the trainer asks the others
+        logger.debug("Could not read the reachable peers", exc_info=True)
+        return []
+    return [PeerID(record.peer_id) for record in records if record.role == "assist"]
 
 
 def probe(

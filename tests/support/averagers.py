@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 from concurrent.futures import wait
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import hivemind
 import torch
@@ -44,9 +44,11 @@ def start_averagers(
     return dhts, averagers
 
 
-def average_once(averagers: Sequence) -> None:
-    """One all-reduce of these averagers together; raises if any of them failed it."""
-    steps = [averager.step(wait=False, timeout=30) for averager in averagers]
+def average_once(averagers: Sequence, gathers: Optional[Sequence] = None) -> None:
+    """One all-reduce of these averagers together (each gathering its item of ``gathers`` in matchmaking); raises if
+    any of them failed it."""
+    gathers = [None] * len(averagers) if gathers is None else gathers
+    steps = [averager.step(wait=False, timeout=30, gather=gather) for averager, gather in zip(averagers, gathers)]
     wait(steps, timeout=60)
     for step in steps:
         step.result(0)

@@ -11,15 +11,18 @@ import time
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import (
     BlockwiseQuantization,
     CompressionInfo,
     deserialize_torch_tensor,
     serialize_torch_tensor,
 )
+from hivemind.utils import MSGPackSerializer
 
 from peer.swarm.hivemind_seam.averaging import _PolicyAveraging
-from peer.swarm.hivemind_seam.round_result import GROUP_DIGEST, RoundResultSharing, exact_blockwise
+from peer.swarm.hivemind_seam.round_result import GROUP_DIGEST, RoundResultSharing, exact_blockwise, group_label
 from tests.support.averagers import average_once, shut_down, start_averagers, tensor_of
 
 SIZE = 300_000
@@ -267,6 +270,52 @@ def test_a_round_without_a_serving_trainer_is_checked_against_the_serving_traine
         assert [averager.unconfirmed.value for averager in clients] == unconfirmed
     finally:
         shut_down(averagers + dhts)
+
+
+@pytest.mark.timeout(180)
+def test_an_assisting_aux_serves_a_round_it_took_with_clients_under_their_label():
+    """A public trainer that missed the round an assisting aux took with two client trainers can be given it by
+    nobody but the aux (clients cannot be dialled). The aux's own label lags one behind the trainers' here; it holds
+    the round under the label its clients gathered in matchmaking, and the trainer takes exactly the clients' bits."""
+    modes = ["aux", "client", "client", "node"]
+    inputs = [torch.zeros(SIZE)] + _inputs(3)
+    dhts, averagers = start_averagers(
+        [_Averager] * 4, inputs, modes, prefix="aux_serves", compression=BlockwiseQuantization()
+    )
+    aux, first, second, trainer = averagers
+    try:
+        aux.round_epoch.value = EPOCH - 1
+        for client in (first, second):
+            client.round_epoch.value = EPOCH
+        average_once([aux, first, second], gathers=[{"epoch": EPOCH - 1}, {"epoch": EPOCH}, {"epoch": EPOCH}])
+        assert aux.result_epoch.value == EPOCH and first.result_epoch.value == EPOCH
+        result = tensor_of(first)
+        assert torch.equal(result, tensor_of(second)) and torch.equal(result, tensor_of(aux))
+
+        bound = 10 * float(result.norm())
+        used = trainer.fetch_round_result(epoch=EPOCH, candidates=[aux.peer_id], max_norm=bound, timeout=20)
+        assert used == [aux.peer_id] and torch.equal(tensor_of(trainer), result)
+    finally:
+        shut_down(averagers + dhts)
+
+
+def test_a_group_label_is_what_most_data_senders_gathered_and_a_hostile_one_counts_for_nothing():
+    """``group_label`` reads untrusted matchmaking data: malformed entries, booleans, out-of-range labels and the aux's
+    own label are left out, and a tie names no label (the aux then keeps its own)."""
+    serializer = MSGPackSerializer
+
+    def member(mode: AveragingMode, user) -> bytes:
+        return serializer.dumps([0.0, mode.value, serializer.dumps(user)])
+
+    def label(*gathered: bytes):
+        return group_label(serializer, GroupInfo(b"group", tuple(range(len(gathered))), gathered))
+
+    client, aux = AveragingMode.CLIENT, AveragingMode.AUX
+    assert label(member(aux, {"epoch": 4}), member(client, {"epoch": 5}), member(client, {"epoch": 5})) == 5
+    assert label(member(client, {"epoch": 5}), member(client, {"epoch": 6})) is None  # a liar ties
+    assert label(member(aux, {"epoch": 4}), member(client, None)) is None  # an older peer gathers nothing
+    hostile = [b"\xff", member(client, {"epoch": True}), member(client, {"epoch": 1 << 63}), member(client, [5])]
+    assert label(*hostile, member(client, {"epoch": -1}), member(client, {"epoch": 3})) == 3
 
 
 class _Accumulating(DecentralizedAverager):

@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass
 from itertools import chain
-from typing import AsyncIterator, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import hivemind
 import torch
@@ -448,7 +448,7 @@ class _PolicyAveraging:
         )
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
-        self._allreduce_began(group_id)
+        self._allreduce_began(group_id, group_info)
         try:
             await self._run_bounded(runner, tensors, group_info)
         finally:
@@ -513,8 +513,9 @@ class _PolicyAveraging:
         no member serves its state (a group of clients and an aux): the serving trainers outside it may hold the
         swarm's round."""
 
-    def _allreduce_began(self, group_id: bytes) -> None:
-        """(averager process) An all-reduce of this averager's group ``group_id`` begins (its group formed)."""
+    def _allreduce_began(self, group_id: bytes, group_info) -> None:
+        """(averager process) An all-reduce of this averager's group ``group_id`` (``group_info``) begins: its group
+        formed."""
 
     def _allreduce_ended(self) -> None:
         """(averager process) An all-reduce of this averager ended, with or without a result."""
@@ -576,6 +577,8 @@ PROBE_EVERY = 0.25
 """Seconds between a late trainer's probes of whether the others took its round without it."""
 PROBE_TIMEOUT = 1.0
 """The longest a probe waits for the peers' answers (a status each, no tensors)."""
+ASSISTING_REFRESH = 30.0
+"""Seconds a trainer keeps the list of assisting aux peers it read (``LeanHiveOptimizer._assisting_peers``)."""
 
 
 class IncompleteStateError(ValueError):
@@ -1117,10 +1120,15 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         *args,
         policy: AveragingPolicy = AveragingPolicy(),
         download_settings: StateDownloadSettings = StateDownloadSettings(),
+        assisting_peers: Callable[[], Sequence[PeerID]] = tuple,
         **kwargs,
     ):
         # read by _make_state_averager, which hivemind.Optimizer.__init__ calls
         self.policy, self.download_settings = policy, download_settings
+        self.assisting_peers = assisting_peers
+        """The aux peers that assist in averaging (their signed reachability records): asked for a missed round's
+        result besides the peers that declared their state (``_round_result_candidates``)."""
+        self._assisting: Optional[Tuple[float, List[PeerID]]] = None
         self.missed_round = False
         """The last all-reduce of a trainer failed while other peers were online and no peer gave it the round's
         result (round_result.py), so hivemind stepped with its fallback: in sync mode the accumulators, which the
@@ -1172,11 +1180,14 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         super()._maybe_schedule_gradient_averaging()
 
     def _name_round(self) -> None:
-        """The epoch of the round this peer averages next goes into its group key (local mode, matchmaking.py);
-        set before hivemind pre-schedules the round's matchmaking and again when the round begins."""
+        """The epoch of the round this peer averages next goes into its group key (local mode, matchmaking.py) and
+        into what it gathers in matchmaking (sync mode, ``RoundResultSharing.round_label``); set before hivemind
+        pre-schedules the round's matchmaking and again when the round begins."""
         key_epoch = getattr(self.grad_averager, "key_epoch", None)
         if key_epoch is not None:
             key_epoch.value = self.local_epoch
+        if hasattr(self.grad_averager, "round_label"):
+            self.grad_averager.round_label = self.local_epoch
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         self._name_round()
@@ -1352,10 +1363,21 @@ class LeanHiveOptimizer(hivemind.Optimizer):
     def _round_result_candidates(self, epoch: int) -> List[PeerID]:
         """Reachable peers (they declared their state for download) at ``epoch - 1`` or later: the ones that may
         have taken round ``epoch`` (a declaration can lag the peer's epoch by one; a peer without the round answers
-        at once)."""
+        at once); then the assisting aux peers, which declare no state while a trainer serves one but take every
+        round of client trainers: a public trainer that missed a round the aux took with clients alone (who cannot
+        be dialled) had nobody to ask, stepped apart and stayed 0.02 from them (home testbed b)."""
         declared = declared_priorities(self.dht, f"{self.state_averager.prefix}.all_averagers")
         own = self.dht.peer_id
-        return [peer for peer, priority in declared.items() if priority >= epoch - 1 and peer != own]
+        candidates = [peer for peer, priority in declared.items() if priority >= epoch - 1 and peer != own]
+        return candidates + [peer for peer in self._assisting_peers() if peer not in candidates and peer != own]
+
+    def _assisting_peers(self) -> List[PeerID]:
+        """``assisting_peers()``, read again at most every ``ASSISTING_REFRESH`` s (a DHT read; the probe of a late
+        trainer waits for it)."""
+        now = time.monotonic()
+        if self._assisting is None or now - self._assisting[0] >= ASSISTING_REFRESH:
+            self._assisting = (now, list(self.assisting_peers()))
+        return self._assisting[1]
 
     def _round_was_whole(self) -> bool:
         """Whether this round's whole result is in the averaged tensors (``whole_results`` moved).

@@ -29,13 +29,19 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
   A round is named by its group when the asker was in one: every member of a group knows its ID, while epoch labels
   can differ by one between peers (a client's label lagged one behind the round it was in, on a busy loopback
   swarm). A round whose group never formed for this peer ("could not find a group") is named by its epoch.
+- ``round_label`` (set by the host before each round's matchmaking, gathered by ``schedule_step``): every member
+  tells the group the epoch it names the round by. An assisting aux holds a round it took under the label most of
+  its data senders gave (``group_label``, within ``MAX_LABEL_GAP`` of its own), since its own label can lag the
+  trainers' by one, and it answers by-epoch asks like any peer: in a round it took with client trainers alone it is
+  the only peer that can be dialled, and a public trainer that missed that round asks it (its signed reachability
+  record says ``assist``; ``LeanHiveOptimizer._round_result_candidates``).
 - ``rpc_round_result`` (a new RPC, hivemind's ``DownloadData`` message both ways, ``metadata`` a small msgpack
   request/answer): ``{"epoch": E}`` or ``{"epoch": E, "group": digest}``. The answer is ``ok`` and then every tensor
   (in the wire compression where decoding it gives back the exact bits, else uncompressed), ``later`` while this
   peer's own round of E (of that group) still runs, ``pending`` (asked by epoch) while E is the round this peer has
   not begun yet (its last round ended, and E is the next: an asker whose own round failed at once asked before the
   others' epoch ended; the asker waits for it as for ``later``, but a round of the next label that was pending when
-  asked is not taken; an assisting aux, which never holds a result, answers ``none``), ``busy`` above ``SERVE_MAX``
+  asked is not taken; an assisting aux, whose own label can lag, answers ``none``), ``busy`` above ``SERVE_MAX``
   answers at once, ``refused`` to an asker that already took that round, or ``none``. After ``none`` to a group, the
   asker asks for epoch E (the others may have retried the epoch in a new group without it). An asker whose group had
   no other data sender, or no member that serves its state (``unconfirmed``: it asks outside its group, below), asks
@@ -62,6 +68,7 @@ import logging
 import multiprocessing as mp
 import random
 import time
+from collections import Counter
 from typing import AsyncIterator, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -98,6 +105,11 @@ CHUNK = 1 << 20
 """Bytes per streamed message."""
 MIN_RATE = 2_500_000.0
 """Bytes/s the fetch's time allows for the uncompressed result (a 20 Mbit/s downlink): ``fetch_seconds``."""
+MAX_LABEL_GAP = 1
+"""An assisting aux holds a round under its members' label only within this many epochs of its own (it lagged one
+behind); a group that claims another keeps the aux's own (``RoundResultSharing._allreduce_began``)."""
+MAX_LABEL = 1 << 62
+"""Labels at or above this are refused: the held epoch is a signed 64-bit shared value."""
 NORM_FACTOR = 4.0
 """The result taken may have at most this times the norm of this peer's own averaged gradients (peer.swarm.robust's
 clip factor), agreed answers included: two colluding peers are held to the bound one is."""
@@ -130,6 +142,12 @@ class RoundResultSharing:
         self.formed_epoch = mp.Value("q", -1)  # the round_epoch of the last all-reduce whose group formed
         self.formed_group = mp.Array("c", GROUP_DIGEST)  # that group's group_digest
         self._running_group: Optional[bytes] = None  # (averager process) the digest of the group averaging now
+        self._running_label = -1
+        """(averager process) The epoch the round averaging now is held as: ``round_epoch``, or for an assisting aux
+        the label its group's data senders gathered (``group_label``)."""
+        self.round_label: Optional[int] = None
+        """(host) The epoch this peer names its next round by in matchmaking (``schedule_step``; set by the
+        optimizer): an assisting aux holds a round it took under its members' label, since its own can lag by one."""
         self.result_group = mp.Array("c", GROUP_DIGEST)
         """The held result's group digest; NO_GROUP for a result held by its epoch only (fetched, or an own step)."""
         self.previous_epoch = mp.Value("q", -1)
@@ -199,14 +217,28 @@ class RoundResultSharing:
         only round)."""
         self._last_group, self.unconfirmed.value = frozenset(group), unconfirmed
         self.result_group.raw = self._running_group or NO_GROUP
-        self.result_epoch.value = self.round_epoch.value
+        self.result_epoch.value = self._running_label
 
-    def _allreduce_began(self, group_id: bytes) -> None:
-        """(averager process) This peer's group of ``round_epoch`` formed: the round is now named by it."""
+    def _allreduce_began(self, group_id: bytes, group_info) -> None:
+        """(averager process) This peer's group of ``round_epoch`` formed: the round is now named by it. An assisting
+        aux holds it under the label its data senders gathered: a public trainer that missed a round the aux took
+        with client trainers (who cannot be dialled) asks the aux for it by the trainers' epoch, and the aux's own
+        label lagged one behind theirs on the home testbed (it would then have answered ``none``)."""
         digest = group_digest(group_id)
         self._running_group = digest
         self.formed_group.raw = digest
         self.formed_epoch.value = self.round_epoch.value
+        label = group_label(self.serializer, group_info) if self.mode == AveragingMode.AUX else None
+        near = label is not None and abs(label - self.round_epoch.value) <= MAX_LABEL_GAP
+        self._running_label = label if near else self.round_epoch.value
+        if self._running_label != self.round_epoch.value:
+            logger.debug("Round %d (this aux's label %d): held as its members named it", label, self.round_epoch.value)
+
+    def schedule_step(self, scheduled_time: Optional[float] = None, **kwargs):
+        """The round's label goes to the group's members in matchmaking (hivemind's ``gather``; ``group_label``)."""
+        if self.shares_round_results and self.round_label is not None:
+            kwargs.setdefault("gather", {"epoch": self.round_label})
+        return super().schedule_step(scheduled_time, **kwargs)
 
     def stepping_alone(self) -> None:
         """(host process) hivemind steps this trainer with its own gradients (it saw no other peer): the gradients
@@ -261,12 +293,14 @@ class RoundResultSharing:
     def _unheld_status(self, epoch: int) -> str:
         """The answer for round ``epoch`` where this peer holds no result of it: ``later`` while it began that round,
         ``pending`` where that is the round it begins next, else ``none``."""
+        if self.mode == AveragingMode.AUX and self._running_group is not None:
+            return "later" if epoch == self._running_label else "none"
         begun, ended = self.round_epoch.value, self.ended_epoch.value
         if epoch == begun and epoch != ended:
             return "later"
         # a client whose round failed as it began asked before this peer's epoch ended (a CI run: 60 ms after its
-        # fault, while both full peers still accumulated); "none" made it step apart. An assisting aux never holds a
-        # result: it would only keep the asker waiting
+        # fault, while both full peers still accumulated); "none" made it step apart. An assisting aux's own label
+        # can lag one behind the round it takes next: it would keep the asker waiting for another round
         pending = epoch == begun + 1 and ended == begun and self.mode != AveragingMode.AUX
         return "pending" if pending else "none"
 
@@ -274,8 +308,8 @@ class RoundResultSharing:
         """The answer to a probe of round ``epoch`` (``round_ended_without_this_peer``): ``ok`` if this peer holds its
         result, ``later`` while it began the round and has no result of it yet (its all-reduce may still run, or
         break off and look for a group again), ``pending`` where that is the round it begins next, else ``none``.
-        No tensor moves. An assisting aux answers ``none``: it serves no result, and its epoch label may lag the
-        trainers' by one."""
+        No tensor moves. An assisting aux answers ``none``: its own epoch label may lag the trainers' by one (it is
+        asked for a result it holds like any peer, but does not decide alone that a trainer leaves its round)."""
         if not self.shares_round_results or self.mode == AveragingMode.AUX:
             return "none"
         if any(held.epoch == epoch for held in self._held()):
@@ -590,6 +624,28 @@ class _Round(NamedTuple):
     epoch: int
     group: Optional[bytes]
     next_if_running: bool
+
+
+def group_label(serializer, group_info) -> Optional[int]:
+    """The epoch most of a group's data senders named the round by (``{"epoch": E}``, gathered in matchmaking by
+    ``RoundResultSharing.schedule_step``); None where no label is named more often than every other, or none is
+    named. Untrusted: a member's data is hivemind's ``[bandwidth, mode, user data]``, any of it malformed; an
+    auxiliary member's label does not count (its own is what this replaces)."""
+    labels = []
+    for data in group_info.gathered:
+        try:
+            _, mode, user = serializer.loads(data)
+            label = serializer.loads(user)["epoch"]
+        except Exception:
+            continue
+        if mode == AveragingMode.AUX.value or isinstance(label, bool) or not isinstance(label, int):
+            continue
+        if 0 <= label < MAX_LABEL:
+            labels.append(label)
+    counts = Counter(labels).most_common(2)
+    if not counts or (len(counts) == 2 and counts[0][1] == counts[1][1]):
+        return None
+    return counts[0][0]
 
 
 def group_digest(group_id: bytes) -> bytes:
