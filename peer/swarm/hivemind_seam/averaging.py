@@ -577,6 +577,8 @@ PROBE_EVERY = 0.25
 """Seconds between a late trainer's probes of whether the others took its round without it."""
 PROBE_TIMEOUT = 1.0
 """The longest a probe waits for the peers' answers (a status each, no tensors)."""
+MIN_FETCH_SECONDS = 0.5
+"""Seconds below which a missed round's result is not asked for (``LeanHiveOptimizer._fetch_round_result``)."""
 ASSISTING_REFRESH = 30.0
 """Seconds a trainer keeps the list of assisting aux peers it read (``LeanHiveOptimizer._assisting_peers``)."""
 
@@ -1328,18 +1330,15 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         if self.auxiliary or not getattr(averager, "shares_round_results", False) or not averager.local_norm:
             return False
         epoch = averager.round_epoch.value
-        candidates = self._round_result_candidates(epoch)
-        if not candidates:
-            return False
         result_bytes = sum(t.numel() * t.element_size() for t in averager.parameters)
         began = time.monotonic()
-        used = averager.fetch_round_result(
-            epoch=epoch,
-            candidates=candidates,
-            max_norm=NORM_FACTOR * averager.local_norm,
-            timeout=fetch_seconds(self.averaging_timeout, result_bytes),
-            outside_group=outside_group,
-        )
+        deadline = began + fetch_seconds(self.averaging_timeout, result_bytes)
+        # the serving trainers' round is the swarm's: the assisting aux only where none of them holds it. Asked
+        # together, an aux that took the round with clients in one group and a trainer that took it in another gave
+        # two answers that differ, and a volunteer that came late took neither (home testbed b)
+        used = self._fetch_round_result(self._round_result_candidates(epoch), deadline, outside_group)
+        if not used:
+            used = self._fetch_round_result(self._assisting_peers(), deadline, outside_group)
         if not used:
             return False
         self.repaired_rounds += 1
@@ -1360,20 +1359,35 @@ class LeanHiveOptimizer(hivemind.Optimizer):
             logger.info("It was the swarm's round %d: this peer's epoch is now the swarm's", epoch + 1)
         return True
 
+    def _fetch_round_result(self, candidates: Sequence[PeerID], deadline: float, outside_group: bool):
+        """The peers whose answers gave this round's result, now in the averaged tensors (round_result.py), or None
+        (nobody to ask, no time left, or no usable answer)."""
+        averager = self.grad_averager
+        candidates = [peer for peer in candidates if peer != self.dht.peer_id]
+        remaining = deadline - time.monotonic()
+        if not candidates or remaining < MIN_FETCH_SECONDS:
+            return None
+        return averager.fetch_round_result(
+            epoch=averager.round_epoch.value,
+            candidates=candidates,
+            max_norm=NORM_FACTOR * averager.local_norm,
+            timeout=remaining,
+            outside_group=outside_group,
+        )
+
     def _round_result_candidates(self, epoch: int) -> List[PeerID]:
         """Reachable peers (they declared their state for download) at ``epoch - 1`` or later: the ones that may
         have taken round ``epoch`` (a declaration can lag the peer's epoch by one; a peer without the round answers
-        at once); then the assisting aux peers, which declare no state while a trainer serves one but take every
-        round of client trainers: a public trainer that missed a round the aux took with clients alone (who cannot
-        be dialled) had nobody to ask, stepped apart and stayed 0.02 from them (home testbed b)."""
+        at once)."""
         declared = declared_priorities(self.dht, f"{self.state_averager.prefix}.all_averagers")
         own = self.dht.peer_id
-        candidates = [peer for peer, priority in declared.items() if priority >= epoch - 1 and peer != own]
-        return candidates + [peer for peer in self._assisting_peers() if peer not in candidates and peer != own]
+        return [peer for peer, priority in declared.items() if priority >= epoch - 1 and peer != own]
 
     def _assisting_peers(self) -> List[PeerID]:
-        """``assisting_peers()``, read again at most every ``ASSISTING_REFRESH`` s (a DHT read; the probe of a late
-        trainer waits for it)."""
+        """The assisting aux peers (``assisting_peers()``, read again at most every ``ASSISTING_REFRESH`` s): asked for
+        a missed round's result where no serving trainer holds it. They declare no state while a trainer serves one,
+        but take every round of client trainers: a public trainer that missed a round the aux took with clients alone
+        (who cannot be dialled) had nobody to ask, stepped apart and stayed 0.02 from them (home testbed b)."""
         now = time.monotonic()
         if self._assisting is None or now - self._assisting[0] >= ASSISTING_REFRESH:
             self._assisting = (now, list(self.assisting_peers()))

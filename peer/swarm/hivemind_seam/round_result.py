@@ -33,8 +33,8 @@ A mixin of ``LeanHiveGradientAverager`` (its RPC and its fetch run in the averag
   tells the group the epoch it names the round by. An assisting aux holds a round it took under the label most of
   its data senders gave (``group_label``, within ``MAX_LABEL_GAP`` of its own), since its own label can lag the
   trainers' by one, and it answers by-epoch asks like any peer: in a round it took with client trainers alone it is
-  the only peer that can be dialled, and a public trainer that missed that round asks it (its signed reachability
-  record says ``assist``; ``LeanHiveOptimizer._round_result_candidates``).
+  the only peer that can be dialled, and a public trainer that missed that round asks it where no serving trainer
+  holds the round (its signed reachability record says ``assist``; ``LeanHiveOptimizer._assisting_peers``).
 - ``rpc_round_result`` (a new RPC, hivemind's ``DownloadData`` message both ways, ``metadata`` a small msgpack
   request/answer): ``{"epoch": E}`` or ``{"epoch": E, "group": digest}``. The answer is ``ok`` and then every tensor
   (in the wire compression where decoding it gives back the exact bits, else uncompressed), ``later`` while this
