@@ -293,8 +293,6 @@ class RoundResultSharing:
     def _unheld_status(self, epoch: int) -> str:
         """The answer for round ``epoch`` where this peer holds no result of it: ``later`` while it began that round,
         ``pending`` where that is the round it begins next, else ``none``."""
-        if self.mode == AveragingMode.AUX and self._running_group is not None:
-            return "later" if epoch == self._running_label else "none"
         begun, ended = self.round_epoch.value, self.ended_epoch.value
         if epoch == begun and epoch != ended:
             return "later"
