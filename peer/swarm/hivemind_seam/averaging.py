@@ -1129,7 +1129,7 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         self.policy, self.download_settings = policy, download_settings
         self.assisting_peers = assisting_peers
         """The aux peers that assist in averaging (their signed reachability records): asked for a missed round's
-        result besides the peers that declared their state (``_round_result_candidates``)."""
+        result where none of the peers that declared their state holds it (``_assisting_peers``)."""
         self._assisting: Optional[Tuple[float, List[PeerID]]] = None
         self.missed_round = False
         """The last all-reduce of a trainer failed while other peers were online and no peer gave it the round's
