@@ -1363,7 +1363,6 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         """The peers whose answers gave this round's result, now in the averaged tensors (round_result.py), or None
         (nobody to ask, no time left, or no usable answer)."""
         averager = self.grad_averager
-        candidates = [peer for peer in candidates if peer != self.dht.peer_id]
         remaining = deadline - time.monotonic()
         if not candidates or remaining < MIN_FETCH_SECONDS:
             return None
