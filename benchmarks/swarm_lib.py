@@ -250,6 +250,8 @@ class Row:
     """Validation loss of the first peer's parameters at the end of some global epochs: samples so far, loss."""
     epochs_alone: int = 0
     """Epochs of the window that some peer ended counting fewer peers than the swarm has (it did not average)."""
+    clients: int = 0
+    """Peers that ran as clients of the swarm (their ``reachability`` event): every row compares full peers."""
     error: Optional[str] = None
 
     @property
@@ -413,10 +415,7 @@ def run_swarm(
                     *MODES[mode],
                     "--min_peers",
                     "1" if solo else str(settings.peers),
-                    "--host_maddrs",
-                    f"/ip4/{host.ip}/tcp/{PORT}",
-                    "--announce_maddrs",
-                    proxies[index].maddr,
+                    *proxies[index].peer_flags(PORT),
                     "--identity_path",
                     str(folder / name / "identity.key"),
                     "--output_dir",
@@ -497,6 +496,9 @@ def measure(
         )
         if row.epochs_alone:
             logger.warning("%s/%s: %d peer-epochs ended without the whole swarm", row.link, row.mode, row.epochs_alone)
+    row.clients = sum(1 for peer in peers if (peer.events.last("reachability") or {}).get("client_mode"))
+    if row.clients:
+        logger.warning("%s/%s: %d of %d peers ran as clients of the swarm", row.link, row.mode, row.clients, len(peers))
     row.samples_measured = samples
     row.seconds_per_epoch = row.seconds_measured / row.epochs_measured
     if solo_rate:

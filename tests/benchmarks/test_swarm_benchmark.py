@@ -86,11 +86,13 @@ def test_every_mode_trains_the_same_samples_on_the_same_schedule():
     assert params_every(2048, 128) == 4 and params_every(2048, 2048) == 1
 
 
-def _peer(tmp_path, name, epochs):
-    """What ``measure`` reads of a finished peer: its epoch_done events (a real event log), exit code, timings."""
+def _peer(tmp_path, name, epochs, client_mode=False):
+    """What ``measure`` reads of a finished peer: its reachability and epoch_done events (a real event log), exit
+    code, timings."""
     log = EventLog(tmp_path / f"{name}.events.jsonl")
     log.clear()
-    log.path.write_text("".join(json.dumps(dict(event="epoch_done", **e)) + "\n" for e in epochs))
+    events = [dict(event="reachability", client_mode=client_mode)] + [dict(event="epoch_done", **e) for e in epochs]
+    log.path.write_text("".join(json.dumps(e) + "\n" for e in events))
     return SimpleNamespace(events=log, poll=lambda: 0, timings=lambda: [])
 
 
@@ -110,8 +112,12 @@ def test_every_row_is_measured_after_the_largest_round(tmp_path):
     assert row.seconds_measured == 40.0 and row.samples_per_second == 512 / 40 and row.efficiency == 512 / 40 / 4
     assert row.bytes_per_sample == 2 * 4000 / 512  # 100 bytes/s per peer over the 40 s window
     assert len(row.curve) == 8  # the training-loss curve keeps every epoch
+    assert row.clients == 0
     late = measured(1024)
     assert late.error and "fewer than 2" in late.error
+    # a peer that came up as a client (a testbed whose proxies hid its address from the dial-back probe) is counted
+    peers[1] = _peer(tmp_path, "b", epochs, client_mode=True)
+    assert measured(512).clients == 1
 
 
 def test_tables_compare_every_mode_with_sync():
@@ -185,6 +191,7 @@ def test_quick_matrix_reports_sane_figures(tmp_path):
     assert solo["bytes_per_sample"] < 1000  # a peer alone sends next to nothing
     assert sync["epochs_measured"] >= 2 and sync["exit_codes"] == [0, 0]
     assert sync["epochs_alone"] == 0, "a peer ended a measured epoch without the other: it did not average"
+    assert sync["clients"] == sparse["clients"] == 0, "a peer ran as a client: the rows compare full peers"
     assert 0.05 < sync["efficiency"] < 1.5
     # gradients crossed the wire: at least the all-reduce bound, and not absurdly more
     assert sync["bound_bytes_per_sample"] > 0

@@ -193,20 +193,7 @@ class NetemSwarm:
 
     def _network_flags(self, index: int, name: str) -> List[str]:
         folder = self.folder / name
-        return [
-            "--host_maddrs",
-            f"/ip4/{self.host(index).ip}/tcp/{PORT}",
-            "--announce_maddrs",
-            self.proxies[index].maddr,
-            "--identity_path",
-            str(folder / "identity.key"),
-            # Every host here is public by construction. The dial-back probe cannot tell: a peer's inbound
-            # connections come through its own host's proxy, so a requester appears at the server's own IP, which
-            # is not among the addresses it announces, and an honest server refuses to dial those
-            # (peer.swarm.hivemind_seam.reachability). Without this every trainer came up as a client.
-            "--reachability",
-            "public",
-        ]
+        return [*self.proxies[index].peer_flags(PORT), "--identity_path", str(folder / "identity.key")]
 
     def start_trainer(
         self,

@@ -400,6 +400,22 @@ class ProxyHandle:
         """The proxy as a multiaddr, for hivemind's ``announce_maddrs``."""
         return f"/ip4/{self.host.ip}/tcp/{self.port}"
 
+    def peer_flags(self, target_port: int) -> List[str]:
+        """The network flags of a peer listening on ``target_port`` of this proxy's host, reached through the proxy.
+        Every host of a testbed is public by construction, but the dial-back probe cannot tell: a peer's inbound
+        connections come through its own host's proxy, so a requester appears at the server's own IP, which is not
+        among the addresses it announces, and an honest server refuses to dial those
+        (peer.swarm.hivemind_seam.reachability). Without ``--reachability public`` every peer but the first came up
+        as a client (all of benchmarks.swarm's rows from 2026-11-26 to 2026-11-29)."""
+        return [
+            "--host_maddrs",
+            f"/ip4/{self.host.ip}/tcp/{target_port}",
+            "--announce_maddrs",
+            self.maddr,
+            "--reachability",
+            "public",
+        ]
+
     def set(self, **settings) -> Dict[str, Any]:
         """Change settings (delay_ms=, jitter_ms=, loss=, loss_penalty_ms=, partition=,
         partitioned_sources=); returns the proxy's status."""
