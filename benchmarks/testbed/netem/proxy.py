@@ -405,8 +405,8 @@ class ProxyHandle:
         Every host of a testbed is public by construction, but the dial-back probe cannot tell: a peer's inbound
         connections come through its own host's proxy, so a requester appears at the server's own IP, which is not
         among the addresses it announces, and an honest server refuses to dial those
-        (peer.swarm.hivemind_seam.reachability). Without ``--reachability public`` every peer but the first came up
-        as a client (all of benchmarks.swarm's rows from 2026-11-26 to 2026-11-29)."""
+        (peer.swarm.hivemind_seam.reachability). Without ``--reachability public`` every peer but the first comes up
+        as a client."""
         return [
             "--host_maddrs",
             f"/ip4/{self.host.ip}/tcp/{target_port}",
