@@ -15,7 +15,8 @@ state averaging round. This module finds and repairs such a disagreement, with o
    joined, re-synced, repaired) publishes none for it: its round started from another base; it only follows.
 2. ``SETTLE_SECONDS`` later (at its next local step, at the latest when its next round ends), every trainer reads
    that round's fingerprints and votes (``choose_reference``): the fingerprint the most peers agree with (within
-   the tolerance) wins, ties go to the lowest peer ID. Only records of the same epoch that ended within
+   the tolerance) wins, ties go to the lowest peer ID; a trainer that published no record of the round (1, 5)
+   casts no vote of its own, it only follows. Only records of the same epoch that ended within
    ``SAME_ROUND_SECONDS`` of this peer's count: the peers of one all-reduce end it together, while a peer one epoch
    behind (hivemind lets a peer lag one epoch, e.g. a joiner that loaded the state just before the others ended a
    round) labels a different round with the same epoch; it is not compared, it is caught up by its own check.
@@ -166,8 +167,9 @@ class RoundAgreement:
         self.missed_round_seconds = max(SAME_ROUND_SECONDS, missed_round_seconds)
         self.peer_id = dht.peer_id.to_bytes()
         self._history: deque = deque(maxlen=FINGERPRINT_HISTORY)
-        # epoch, own, ended (clock, DHT), how far apart the others' records of the round may have ended
-        self._pending: Optional[Tuple[int, torch.Tensor, float, float, float]] = None
+        # epoch, own, ended (clock, DHT), how far apart the others' records of the round may have ended, and
+        # whether this peer voted in it (published its record)
+        self._pending: Optional[Tuple[int, torch.Tensor, float, float, float, bool]] = None
         self.records_compared = 0  # the other peers' fingerprints the last check compared with (same or next epoch)
 
     def round_ended(self, epoch: int, state_replaced: bool, missed: bool = False) -> None:
@@ -177,8 +179,9 @@ class RoundAgreement:
         before this peer's attempt gave up."""
         own, ended = fingerprint([*self.shared, *self.outer_state()]), get_dht_time()
         window = self.missed_round_seconds if missed else SAME_ROUND_SECONDS
-        self._pending = (epoch, own, self.clock(), ended, window)
-        if not self.votes or state_replaced or missed:
+        voted = self.votes and not state_replaced and not missed
+        self._pending = (epoch, own, self.clock(), ended, window, voted)
+        if not voted:
             return
         self._history.append(RoundFingerprint(epoch=epoch, ended=ended, sample=own.numpy().tobytes()))
         record = RoundFingerprints(peer_id=self.peer_id, rounds=list(self._history))
@@ -199,7 +202,7 @@ class RoundAgreement:
         this peer agrees with the winner)."""
         if self._pending is None:
             return None, []
-        epoch, own, _, ended, window = self._pending
+        epoch, own, _, ended, window, voted = self._pending
         self._pending, self.records_compared = None, 0
         try:
             same = fetch_fingerprints(self.dht, self.run_id, epoch, timeout=READ_TIMEOUT)
@@ -228,7 +231,9 @@ class RoundAgreement:
                 epoch + 1,
             )
             return epoch, sorted(ahead)
-        sources = sources_to_follow(own, self.peer_id if self.votes else None, others, self.tolerance)
+        # a peer that did not vote (it dropped the round, or its state was replaced) only follows: counting its own
+        # fingerprint would let it win a tie with the one peer that made the round (ties go to the lowest ID)
+        sources = sources_to_follow(own, self.peer_id if voted else None, others, self.tolerance)
         if sources:
             logger.warning(
                 "Shared parameters after the round to epoch %d differ from the %d peer(s) that won the vote "

@@ -164,6 +164,37 @@ def test_a_peer_that_ended_a_round_one_epoch_label_behind_downloads_from_the_pee
 
 
 @pytest.mark.timeout(60)
+def test_a_peer_that_missed_a_round_follows_the_one_peer_that_made_it_whatever_their_ids():
+    """Two peers; one made the round (it stepped), the other dropped it. The one that dropped it counts no vote of
+    its own: were its fingerprint counted, the tie (one against one) went to the lower peer ID, and when that was
+    its own it kept its parameters while the other had stepped. Each of the two takes the dropping part once."""
+    run_id = "missed_pair"
+    dhts, agreements = [], []
+    try:
+        for _ in range(2):
+            validators, public = make_validators(run_id, RSAPrivateKey())
+            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
+            dht = hivemind.DHT(start=True, record_validators=validators, initial_peers=initial)
+            dhts.append(dht)
+            agreements.append(
+                agreement.RoundAgreement(
+                    dht, run_id, public, [torch.zeros(100)], votes=True, tolerance=TOL, missed_round_seconds=10.0
+                )
+            )
+        for epoch, (maker, dropper) in enumerate([(0, 1), (1, 0)], start=3):
+            agreements[maker].shared[0].fill_(float(epoch))  # it stepped; the other's parameters stay
+            agreements[maker].round_ended(epoch=epoch, state_replaced=False)
+            agreements[dropper].round_ended(epoch=epoch, state_replaced=False, missed=True)
+            time.sleep(agreement.SETTLE_SECONDS)
+            assert agreements[dropper].check() == (epoch, [dhts[maker].peer_id.to_bytes()])
+            assert agreements[maker].check() == (epoch, [])
+            agreements[dropper].shared[0].fill_(float(epoch))  # the download
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_a_peer_that_missed_a_round_follows_the_peers_that_made_it_and_publishes_nothing():
     """A trainer whose all-reduce failed drops the round (its shared parameters stay where the round began) and gives
     up only when its wait is over, seconds after the others' all-reduce ended: it compares with their records over
