@@ -20,6 +20,10 @@ from benchmarks.testbed.processes import TINY_MODEL, PeerProcess
 TRAINER_SCRIPT = "run_trainer.py"
 FAULT_TRAINER_MODULE = "benchmarks.testbed.fault_trainer"  # benchmarks/testbed/fault_trainer.py, run with -m
 LOCAL_MODE = ["--sync_mode", "local", "--target_batch_size", "128"]  # about 4 local steps per peer per round of 2
+MIN_PEERS_WAIT = 240.0
+"""--startup_wait of a test's trainers: a peer given --min_peers waits this long for the others. The tiny preset's
+60 s suits a person's demo; on a loaded 2-core CI machine a second peer can come online later than that, and the
+first would then train most of the run alone (a test of what the second one does would see it take a few steps)."""
 
 
 def tiny_model_config(folder: Path) -> Path:
@@ -68,6 +72,8 @@ def start_trainer(
         folder / name,
         "--identity_path",
         folder / name / "identity.key",
+        "--startup_wait",  # before extra: a test's own value wins
+        str(MIN_PEERS_WAIT),
     ]
     if initial_peers:
         args += ["--initial_peers", *initial_peers]
