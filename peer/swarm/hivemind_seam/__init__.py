@@ -62,6 +62,10 @@ Averaging (both averagers of hivemind.Optimizer)
   unmarked answer is turned into a result (own part + delta). The container returns results, not deltas
   (``return_deltas``), and ``_run_allreduce_inplace_`` copies them in, counting a round whose whole result it
   took in ``whole_results`` (shared with the host process).
+- ``own_part_as_sent`` (the state averager): a reducer averages its own part of a state round as the other reducers
+  receive it (encoded, then decoded) and takes the exact delta from that part (``_average_own_shard``, the local
+  branch of the private ``_communicate_with_peer``). hivemind averaged its exact part with the others' decoded
+  ones, so trainers that held the very same state ended every state round apart by the wire compression's rounding.
 - ``schedule_step`` (override, ``GradientAverager`` and ``TrainingStateAverager``): a client-mode peer schedules its
   round at ``client_join_expiration`` (just before its deadline), the expiration it sends leaders; with hivemind's
   ``now + min_matchmaking_time`` a leader that scheduled a moment later (an assisting aux polling for rounds)
