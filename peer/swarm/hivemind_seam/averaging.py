@@ -249,8 +249,9 @@ class BoundedAllReduceRunner(AllReduceRunner):
         wire compression's rounding of the values themselves: on the home testbed the public trainer and two
         volunteers that took every gradient round bit for bit ended each state averaging round 0.0014 apart, and
         trainers never held the same state that a joiner could take in parts from several of them. As sent,
-        identical parts average to themselves (``bounded_mean`` is exact there), every delta is zero and identical
-        peers stay identical. The delta stays exact (not encoded, as a sender's is): a reducer whose state differs
+        identical parts average to themselves (``bounded_mean``: their median plus no deviation; with
+        --contribution_clip 0 a plain mean, within float rounding), every delta is zero and identical peers stay
+        identical. The delta stays exact (not encoded, as a sender's is): a reducer whose state differs
         from the others' (it stepped a round alone) takes the average plus its own rounding of the values in one
         round. Encoded, the delta's 8-bit range is set by its largest differences, and a public trainer of the home
         testbed stayed 0.024 apart from the volunteers for the 20 epochs after such a round."""
