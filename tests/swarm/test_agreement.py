@@ -127,6 +127,18 @@ def test_fingerprint_records_are_validated_and_a_peer_id_claimed_twice_counts_fo
         honest.shutdown()
 
 
+def _start_agreements(dhts: list, agreements: list, run_id: str, values, **kwargs) -> None:
+    """One DHT (the first the others' bootstrap) and one voting ``RoundAgreement`` over 100 shared values equal to
+    each of ``values``, appended to ``dhts`` and ``agreements`` as they start (the caller shuts the DHTs down)."""
+    for value in values:
+        validators, public = make_validators(run_id, RSAPrivateKey())
+        initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
+        dht = hivemind.DHT(start=True, record_validators=validators, initial_peers=initial)
+        dhts.append(dht)
+        shared = [torch.full((100,), value)]
+        agreements.append(agreement.RoundAgreement(dht, run_id, public, shared, votes=True, tolerance=TOL, **kwargs))
+
+
 @pytest.mark.timeout(60)
 def test_a_peer_that_ended_a_round_one_epoch_label_behind_downloads_from_the_peers_ahead():
     """A joiner that loaded the state while the other peer was ending a round averages the next round with it under
@@ -136,13 +148,7 @@ def test_a_peer_that_ended_a_round_one_epoch_label_behind_downloads_from_the_pee
     run_id = "late"
     dhts, agreements = [], []
     try:
-        for index, value in enumerate((1.0, 2.0)):
-            validators, public = make_validators(run_id, RSAPrivateKey())
-            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
-            dht = hivemind.DHT(start=True, record_validators=validators, initial_peers=initial)
-            dhts.append(dht)
-            shared = [torch.full((100,), value)]
-            agreements.append(agreement.RoundAgreement(dht, run_id, public, shared, votes=True, tolerance=TOL))
+        _start_agreements(dhts, agreements, run_id, (1.0, 2.0))
         ahead, behind = agreements
         ahead.round_ended(epoch=5, state_replaced=False)
         behind.round_ended(epoch=4, state_replaced=True)  # it joined during that round: it publishes nothing
@@ -171,16 +177,7 @@ def test_a_peer_that_missed_a_round_follows_the_one_peer_that_made_it_whatever_t
     run_id = "missed_pair"
     dhts, agreements = [], []
     try:
-        for _ in range(2):
-            validators, public = make_validators(run_id, RSAPrivateKey())
-            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
-            dht = hivemind.DHT(start=True, record_validators=validators, initial_peers=initial)
-            dhts.append(dht)
-            agreements.append(
-                agreement.RoundAgreement(
-                    dht, run_id, public, [torch.zeros(100)], votes=True, tolerance=TOL, missed_round_seconds=10.0
-                )
-            )
+        _start_agreements(dhts, agreements, run_id, (0.0, 0.0), missed_round_seconds=10.0)
         for epoch, (maker, dropper) in enumerate([(0, 1), (1, 0)], start=3):
             agreements[maker].shared[0].fill_(float(epoch))  # it stepped; the other's parameters stay
             agreements[maker].round_ended(epoch=epoch, state_replaced=False)
@@ -204,17 +201,7 @@ def test_a_peer_that_missed_a_round_follows_the_peers_that_made_it_and_publishes
     run_id = "missed"
     dhts, agreements = [], []
     try:
-        for value in (2.0, 2.0, 1.0):
-            validators, public = make_validators(run_id, RSAPrivateKey())
-            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
-            dht = hivemind.DHT(start=True, record_validators=validators, initial_peers=initial)
-            dhts.append(dht)
-            shared = [torch.full((100,), value)]
-            agreements.append(
-                agreement.RoundAgreement(
-                    dht, run_id, public, shared, votes=True, tolerance=TOL, missed_round_seconds=10.0
-                )
-            )
+        _start_agreements(dhts, agreements, run_id, (2.0, 2.0, 1.0), missed_round_seconds=10.0)
         first, second, missed = agreements
         first.round_ended(epoch=3, state_replaced=False)
         second.round_ended(epoch=3, state_replaced=False)

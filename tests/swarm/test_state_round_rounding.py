@@ -4,7 +4,7 @@ compression (real hivemind averagers, each in its own averager process with its 
 hivemind's reducer averages its own part exactly and the others' parts as it decodes them, so identical peers end a
 round apart by the compression's rounding of the values themselves (the reducer of a shard keeps the average, every
 sender gets the average plus its own rounding). ``BoundedAllReduceRunner``'s ``own_part_as_sent`` (the state
-averager's) averages the reducer's own part as sent and answers it with the delta a sender gets."""
+averager's) averages the reducer's own part as sent (encoded, then decoded) and takes the exact delta from it."""
 
 from __future__ import annotations
 
