@@ -32,6 +32,7 @@ import json
 import logging
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import AsyncIterator, Dict, List, Optional, Tuple
@@ -179,6 +180,28 @@ def _round_after(parts: int, seconds: float) -> None:
     LeanHiveStateAverager._part_bytes = _part_bytes
 
 
+_SERVING = threading.Event()
+"""Set once the donor is ready: the states asked for from then on are served to joiners (not --state_out's)."""
+
+
+def _lag_epoch(seconds: float) -> None:
+    """The state announces its epoch minus 1 until ``seconds`` after the first joiner asked for it (the host
+    process answers the averager's every snapshot through ``get_current_state``)."""
+    original = LeanHiveStateAverager.get_current_state
+    until: List[float] = []
+
+    def get_current_state(self):
+        metadata, tensors, infos = original(self)
+        if _SERVING.is_set():
+            if not until:
+                until.append(time.monotonic() + seconds)
+            if time.monotonic() < until[0]:
+                metadata = dict(metadata, epoch=metadata["epoch"] - 1)
+        return metadata, tensors, infos
+
+    LeanHiveStateAverager.get_current_state = get_current_state
+
+
 def _pace(rate: float) -> None:
     async def pace(self, nbytes: int) -> None:
         await asyncio.sleep(nbytes / rate)
@@ -208,6 +231,14 @@ def main(argv) -> int:
     )
     parser.add_argument("--round_seconds", type=float, default=3.0)
     parser.add_argument("--max_joiners", type=int, default=None)
+    parser.add_argument("--epoch", type=int, default=0, help="the epoch its state announces")
+    parser.add_argument(
+        "--lag_seconds",
+        type=float,
+        default=0.0,
+        help="announce --epoch minus 1 until this long after the first joiner asked, then --epoch (the same bits): "
+        "a donor that ends its round a moment after the others",
+    )
     parser.add_argument("--ready", required=True)
     parser.add_argument("--state_out", default=None)
     args = parser.parse_args(argv)
@@ -227,6 +258,8 @@ def main(argv) -> int:
         _pace(args.serve_rate)
     if args.round_after_parts > 0:
         _round_after(args.round_after_parts, args.round_seconds)
+    if args.lag_seconds > 0:
+        _lag_epoch(args.lag_seconds)
     share_tensors_by_file_descriptor()
     key = RSAPrivateKey()
     dht = hivemind.DHT(
@@ -239,11 +272,13 @@ def main(argv) -> int:
     optimizer = make_optimizer(
         make_model(args.seed, width=args.width, preset=args.preset), dht, args.run_id, key, **extra
     )
+    optimizer.state_averager.parameters_replaced(args.epoch)
     if args.state_out:
         _, tensors, _ = optimizer.state_averager.get_current_state()
         torch.save([t.clone() for t in tensors], args.state_out)
     time.sleep(2.0)  # the state declaration reaches the DHT
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    _SERVING.set()
     Path(args.ready).write_text(json.dumps({"peer_id": dht.peer_id.to_base58(), "initial_peers": maddrs}))
     logger.info("Serving the state (%s) as %s", args.mode, dht.peer_id)
     try:

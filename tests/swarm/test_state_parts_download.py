@@ -87,6 +87,30 @@ def test_a_donor_killed_mid_download_has_its_parts_moved_to_the_others(tmp_path)
 
 
 @pytest.mark.timeout(300)
+def test_donors_a_moment_behind_are_waited_for_and_share_the_download_of_the_newest_epoch(tmp_path):
+    """Two of three donors still announce the epoch before (they end their round a moment after the first) for 2.5 s
+    after the joiner's first ask, then the same state at the newest epoch: the joiner asks them again, and all three
+    serve it the newest epoch. (Without the wait the two lagging donors outnumber the first, and the joiner took their
+    older state.)"""
+    run_id = "lagging_donors"
+    lag = ["--epoch", "3", "--lag_seconds", "2.5"]
+    peers = start_donors(tmp_path, run_id, [("d1", ["--epoch", "3"]), ("d2", lag), ("d3", lag)])
+    joiner = None
+    try:
+        joiner = Joiner(run_id, peers[0].join, tmp_path / "joiner.log")
+        assert joiner.optimizer.load_state_checked()
+        text = joiner.log()
+        assert "Downloaded the state (" in text and ", epoch 3) in 25 parts from 3 donor(s)" in text, text
+        assert re.search(r"2 donor\(s\) reached epoch 3 after \d+\.\d s", text), text
+        assert set(parts_from(text)) == {p.peer_id for p in peers}, text
+        assert same_state(joiner, tmp_path / "d1.pt") and joiner.optimizer.local_epoch == 3
+    finally:
+        if joiner is not None:
+            joiner.close()
+        kill_all(peers)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["wrong_part", "wrong_manifest"])
 def test_a_donor_serving_one_wrong_part_is_found_and_the_joiner_ends_with_the_honest_state(tmp_path, mode):
     """A real rogue donor serves one part with every byte flipped (well formed: the right size): the first part it

@@ -56,6 +56,11 @@ MAX_YIELD_PER_CHUNK = 10.0
 """Longest pause before each chunk while a round runs (below the joiner's 20 s wait for a next chunk)."""
 SPARE_MANIFESTS = 2
 """Manifests asked beyond ``max_donors``: reserves, and votes that outnumber one donor with a wrong root."""
+LAGGING_DONOR_WAIT = 5.0
+"""Longest wait for donors one epoch behind to end their round (``_await_lagging_donors``): a round's end, not a
+download's length."""
+LAGGING_ASK_EVERY = 1.5
+"""Seconds between asks of a lagging donor: longer than ``SNAPSHOT_REUSE``, so that it answers with a new snapshot."""
 
 
 class PartRefused(Exception):
@@ -264,24 +269,15 @@ class PartedStateTransfer:
             raise ValueError(f"part {part} arrived with {received} of its {size} bytes (a cut connection)")
         return b"".join(chunks)
 
-    async def _download_in_parts(self, candidates: List[PeerID], excluded: Set[PeerID], deadline: float):
-        """The state from up to ``max_donors`` donors of one root at once (module docstring); None if this request's
-        try failed (``excluded`` gains the donors that lied: a wrong part or state; one whose part failed may be asked
-        again by the next try, which resumes); NoPartDonors if none offers parts."""
-        settings = self.download_settings
-        layout, _ = self._layout()
-        expected = self.state_bytes()
-        first_timeout = settings.first_chunk_timeout
-        asked = [peer for peer in candidates if peer not in excluded][: settings.max_donors + SPARE_MANIFESTS]
-        if not asked:
-            return None
-        began = time.monotonic()
+    async def _fetch_manifests(self, peers: List[PeerID], expected: int, first_timeout: float, excluded: Set[PeerID]):
+        """The manifests and metadata of the ``peers`` whose state may be downloaded now, and how many answered
+        ``busy`` or a moment behind (worth asking again); a peer whose state must not be used joins ``excluded``."""
         results = await asyncio.gather(
-            *(asyncio.wait_for(self._fetch_manifest(p, expected, first_timeout), first_timeout) for p in asked),
+            *(asyncio.wait_for(self._fetch_manifest(p, expected, first_timeout), first_timeout) for p in peers),
             return_exceptions=True,
         )
         manifests, metadatas, busy = {}, {}, 0
-        for peer, result in zip(asked, results):
+        for peer, result in zip(peers, results):
             if isinstance(result, PartRefused):
                 busy += 1
                 logger.info("Donor %s did not serve its state now: %s", peer, result)
@@ -300,10 +296,58 @@ class PartedStateTransfer:
                 excluded.add(peer)
                 continue
             manifests[peer], metadatas[peer] = manifest, metadata
+        return manifests, metadatas, busy
+
+    async def _await_lagging_donors(
+        self, manifests, metadatas, expected: int, first_timeout: float, excluded: Set[PeerID], deadline: float
+    ):
+        """Donors one epoch behind the newest manifest are asked again every ``LAGGING_ASK_EVERY`` s, for at most
+        ``LAGGING_DONOR_WAIT`` s, while fewer than ``max_donors`` donors hold the newest epoch (``manifests`` and
+        ``metadatas`` are updated in place). Trainers end an epoch a moment apart: a joiner that asks while the
+        round ends finds some donors at the new epoch and some still at the old one, and only donors of one state
+        share a download (the home test-bed's joins took every state from one donor, "a donor one epoch behind"
+        being the usual difference). Donors further behind are not waited for: they are not ending this round. A
+        donor announcing a later epoch than the others (a rogue's claim) costs the joiner this wait at most: the
+        others do not reach it, and the largest group of one state is taken as before."""
+        wanted = self.download_settings.max_donors
+        waited = 0.0
+        while waited + LAGGING_ASK_EVERY <= LAGGING_DONOR_WAIT and time.monotonic() + LAGGING_ASK_EVERY < deadline:
+            newest = max(manifest.epoch for manifest in manifests.values())
+            lagging = [peer for peer, manifest in manifests.items() if manifest.epoch == newest - 1]
+            if not lagging or len(manifests) - len(lagging) >= wanted:
+                return
+            await asyncio.sleep(LAGGING_ASK_EVERY)
+            waited += LAGGING_ASK_EVERY
+            again, again_metadata, _ = await self._fetch_manifests(lagging, expected, first_timeout, excluded)
+            for peer in lagging:
+                if peer in excluded:
+                    manifests.pop(peer, None)
+                    metadatas.pop(peer, None)
+                elif peer in again:  # one that did not answer now keeps the manifest it gave a moment ago
+                    manifests[peer], metadatas[peer] = again[peer], again_metadata[peer]
+            caught_up = [peer for peer in lagging if peer in again and again[peer].epoch == newest]
+            if caught_up:
+                logger.info("%d donor(s) reached epoch %d after %.1f s: %s", len(caught_up), newest, waited,
+                            ", ".join(map(str, caught_up)))  # fmt: skip
+
+    async def _download_in_parts(self, candidates: List[PeerID], excluded: Set[PeerID], deadline: float):
+        """The state from up to ``max_donors`` donors of one root at once (module docstring); None if this request's
+        try failed (``excluded`` gains the donors that lied: a wrong part or state; one whose part failed may be asked
+        again by the next try, which resumes); NoPartDonors if none offers parts."""
+        settings = self.download_settings
+        layout, _ = self._layout()
+        expected = self.state_bytes()
+        first_timeout = settings.first_chunk_timeout
+        asked = [peer for peer in candidates if peer not in excluded][: settings.max_donors + SPARE_MANIFESTS]
+        if not asked:
+            return None
+        began = time.monotonic()
+        manifests, metadatas, busy = await self._fetch_manifests(asked, expected, first_timeout, excluded)
         if not manifests:
             if busy:
                 return None
             raise NoPartDonors()
+        await self._await_lagging_donors(manifests, metadatas, expected, first_timeout, excluded, deadline)
         groups = group_by_root(manifests)
         group = groups[0]
         for other in groups[1:]:
