@@ -91,10 +91,13 @@ def test_donors_a_moment_behind_are_waited_for_and_share_the_download_of_the_new
     """Two of three donors still announce the epoch before (they end their round a moment after the first) for 2.5 s
     after the joiner's first ask, then the same state at the newest epoch: the joiner asks them again, and all three
     serve it the newest epoch. (Without the wait the two lagging donors outnumber the first, and the joiner took their
-    older state.)"""
+    older state.) Two donors far behind (epoch 0, another state) are candidates too: they neither count as holding
+    the newest epoch nor are waited for."""
     run_id = "lagging_donors"
     lag = ["--epoch", "3", "--lag_seconds", "2.5"]
-    peers = start_donors(tmp_path, run_id, [("d1", ["--epoch", "3"]), ("d2", lag), ("d3", lag)])
+    far = ["--seed", "3"]
+    specs = [("d1", ["--epoch", "3"]), ("d2", lag), ("d3", lag), ("old1", far), ("old2", far)]
+    peers = start_donors(tmp_path, run_id, specs)
     joiner = None
     try:
         joiner = Joiner(run_id, peers[0].join, tmp_path / "joiner.log")
@@ -102,7 +105,7 @@ def test_donors_a_moment_behind_are_waited_for_and_share_the_download_of_the_new
         text = joiner.log()
         assert "Downloaded the state (" in text and ", epoch 3) in 25 parts from 3 donor(s)" in text, text
         assert re.search(r"2 donor\(s\) reached epoch 3 after \d+\.\d s", text), text
-        assert set(parts_from(text)) == {p.peer_id for p in peers}, text
+        assert set(parts_from(text)) == {p.peer_id for p in peers[:3]}, text
         assert same_state(joiner, tmp_path / "d1.pt") and joiner.optimizer.local_epoch == 3
     finally:
         if joiner is not None:

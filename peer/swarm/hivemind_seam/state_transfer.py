@@ -305,8 +305,7 @@ class PartedStateTransfer:
         ``LAGGING_DONOR_WAIT`` s, while fewer than ``max_donors`` donors hold the newest epoch (``manifests`` and
         ``metadatas`` are updated in place). Trainers end an epoch a moment apart: a joiner that asks while the
         round ends finds some donors at the new epoch and some still at the old one, and only donors of one state
-        share a download (the home test-bed's joins took every state from one donor, "a donor one epoch behind"
-        being the usual difference). Donors further behind are not waited for: they are not ending this round. A
+        share a download. Donors further behind are not waited for: they are not ending this round. A
         donor announcing a later epoch than the others (a rogue's claim) costs the joiner this wait at most: the
         others do not reach it, and the largest group of one state is taken as before."""
         wanted = self.download_settings.max_donors
@@ -314,7 +313,7 @@ class PartedStateTransfer:
         while waited + LAGGING_ASK_EVERY <= LAGGING_DONOR_WAIT and time.monotonic() + LAGGING_ASK_EVERY < deadline:
             newest = max(manifest.epoch for manifest in manifests.values())
             lagging = [peer for peer, manifest in manifests.items() if manifest.epoch == newest - 1]
-            if not lagging or len(manifests) - len(lagging) >= wanted:
+            if not lagging or sum(manifest.epoch == newest for manifest in manifests.values()) >= wanted:
                 return
             await asyncio.sleep(LAGGING_ASK_EVERY)
             waited += LAGGING_ASK_EVERY
