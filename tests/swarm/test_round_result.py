@@ -204,7 +204,10 @@ def test_an_asker_waits_for_the_round_a_server_has_not_begun_yet(swarm):
     def begin_then_end():
         honest.round_epoch.value = EPOCH
         time.sleep(1.0)
-        honest.ended_epoch.value, honest.result_epoch.value = EPOCH, EPOCH
+        # the order a server keeps (``_took_whole_result`` before ``_allreduce_ended``): ended without a result is
+        # a round that failed, answered ``none`` (a CI run asked between the two in the reverse order)
+        honest.result_epoch.value = EPOCH
+        honest.ended_epoch.value = EPOCH
 
     timer = threading.Timer(1.0, begin_then_end)
     timer.start()
