@@ -295,6 +295,30 @@ def against_sync(rows: Sequence[Row]) -> str:
     return markdown_table(header, lines) if lines else ""
 
 
+def uplink_table(rows: Sequence[Row]) -> str:
+    """Each row's upload against its link: the mean over the window and the peak over about a second. A round sent
+    at once runs at the link's rate however few bytes it has; fragments streamed through the round (Streaming
+    DiLoCo, issue 28) would lower the peak toward the mean. Rows measured before the counters split tx from rx
+    have no entry."""
+    lines = [
+        [
+            row.link,
+            row.mode,
+            _fmt(row.local_steps, 0),
+            _fmt(row.mean_upload_mbit, 2),
+            _fmt(row.peak_upload_mbit, 2),
+            _fmt(row.peak_upload_mbit / row.mean_upload_mbit, 1) if row.mean_upload_mbit > 0 else "—",
+            _fmt(row.breakdown.get("blocked", math.nan), 1),
+            _fmt(row.seconds_per_epoch, 1),
+        ]
+        for row in rows
+        if math.isfinite(row.peak_upload_mbit)
+    ]
+    header = ["link", "mode", "H", "mean up (Mbit/s)", "peak up (Mbit/s, ~1 s)", "peak ÷ mean", "blocked"]
+    header += ["s/epoch"]
+    return markdown_table(header, lines) if lines else ""
+
+
 def write_plot(rows: Sequence[Row], path: Path) -> None:
     import matplotlib
 
@@ -481,6 +505,7 @@ def print_tables(rows: Sequence[Row]) -> None:
     for title, text in (
         ("Validation loss at equal samples", curve_table(rows)),
         ("Against sync on the same link", against_sync(rows)),
+        ("Upload against the link", uplink_table(rows)),
     ):
         if text:
             print(f"\n{title}:\n\n{text}")

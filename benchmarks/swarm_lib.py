@@ -235,6 +235,11 @@ class Row:
     bound_bytes_per_sample: float = math.nan
     """Butterfly all-reduce of the gradients at the wire format, same denominator."""
     seconds_per_epoch: float = math.nan
+    mean_upload_mbit: float = math.nan
+    """A peer's upload over the window, Mbit/s (the mean of the peers')."""
+    peak_upload_mbit: float = math.nan
+    """The highest upload of any peer over one sampling interval (about a second) in the window, Mbit/s: a round
+    sent at once runs at the link's rate, what fragments streamed through the round (issue 28) would spread."""
     compute_share: float = math.nan
     """Share of a peer's wall time spent in forward/backward: what carries over to a GPU, where peers do not share
     cores (on this 2-core machine solo peers slow each other down more than swarm peers, who wait together)."""
@@ -301,29 +306,34 @@ def allreduce_bound_per_epoch(wire_bytes: int, peers: int) -> float:
     return 4.0 * (peers - 1) / peers * wire_bytes if peers > 1 else 0.0
 
 
-def interface_bytes(host: Host) -> int:
-    """tx + rx bytes of the host's link so far (every protocol: TCP/IP headers, DHT, averaging)."""
+def interface_counters(host: Host) -> Tuple[int, int]:
+    """(tx, rx) bytes of the host's link so far (every protocol: TCP/IP headers, DHT, averaging)."""
     out = subprocess.run(
         ["ip", "-n", host.name, "-s", "-j", "link", "show", "eth0"], capture_output=True, text=True, timeout=10
     )
     stats = json.loads(out.stdout)[0]["stats64"]
-    return int(stats["tx"]["bytes"]) + int(stats["rx"]["bytes"])
+    return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
 
 class CounterSampler(threading.Thread):
-    """Samples every host's interface counters about once a second, so that bytes can be read for any window."""
+    """Samples every host's interface counters about once a second, so that bytes can be read for any window:
+    ``samples`` holds tx + rx, ``uploads`` tx alone (the uplink a home peer is limited by)."""
 
     def __init__(self, hosts: Sequence[Host], period: float = 1.0):
         super().__init__(daemon=True, name="counter-sampler")
         self.hosts, self.period = list(hosts), period
         self.samples: List[Tuple[float, List[int]]] = []
+        self.uploads: List[Tuple[float, List[int]]] = []
         self._stop_event = threading.Event()
 
     def sample(self) -> None:
         try:
-            self.samples.append((time.time(), [interface_bytes(host) for host in self.hosts]))
+            moment, counters = time.time(), [interface_counters(host) for host in self.hosts]
         except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as e:
             logger.warning("Could not read interface counters: %s", e)
+            return
+        self.samples.append((moment, [tx + rx for tx, rx in counters]))
+        self.uploads.append((moment, [tx for tx, _ in counters]))
 
     def run(self) -> None:
         while not self._stop_event.wait(self.period):
@@ -334,19 +344,32 @@ class CounterSampler(threading.Thread):
         self.join(timeout=10)
         self.sample()
 
+    def upload_rates(self, index: int, start: float, end: float) -> List[float]:
+        """Host ``index``'s upload in bytes per second over each sampling interval that lies inside [start, end]."""
+        inside = [(moment, sent[index]) for moment, sent in self.uploads if start <= moment <= end]
+        return [(b - a) / (t1 - t0) for (t0, a), (t1, b) in zip(inside, inside[1:]) if t1 > t0]
+
     def at(self, moment: float) -> List[float]:
-        """Counters of every host at ``moment``, interpolated linearly between the samples around it."""
-        if not self.samples:
-            return [math.nan] * len(self.hosts)
-        before = [s for s in self.samples if s[0] <= moment]
-        after = [s for s in self.samples if s[0] >= moment]
-        if not before:
-            return [float(v) for v in after[0][1]]
-        if not after:
-            return [float(v) for v in before[-1][1]]
-        (t0, v0), (t1, v1) = before[-1], after[0]
-        weight = 0.0 if t1 == t0 else (moment - t0) / (t1 - t0)
-        return [a + (b - a) * weight for a, b in zip(v0, v1)]
+        """Counters (tx + rx) of every host at ``moment``, interpolated linearly between the samples around it."""
+        return _interpolated(self.samples, moment, len(self.hosts))
+
+    def uploaded(self, moment: float) -> List[float]:
+        """tx counters of every host at ``moment``, interpolated the same way."""
+        return _interpolated(self.uploads, moment, len(self.hosts))
+
+
+def _interpolated(series: Sequence[Tuple[float, List[int]]], moment: float, width: int) -> List[float]:
+    if not series:
+        return [math.nan] * width
+    before = [s for s in series if s[0] <= moment]
+    after = [s for s in series if s[0] >= moment]
+    if not before:
+        return [float(v) for v in after[0][1]]
+    if not after:
+        return [float(v) for v in before[-1][1]]
+    (t0, v0), (t1, v1) = before[-1], after[0]
+    weight = 0.0 if t1 == t0 else (moment - t0) / (t1 - t0)
+    return [a + (b - a) * weight for a, b in zip(v0, v1)]
 
 
 # ------------------------------------------------------------------------------------------ one run
@@ -509,6 +532,14 @@ def measure(
     for index, (start, end) in enumerate(windows):
         moved += sampler.at(end)[index] - sampler.at(start)[index]
     row.bytes_per_sample = moved / samples
+    rates = [sampler.upload_rates(index, start, end) for index, (start, end) in enumerate(windows)]
+    means = [
+        8e-6 * (sampler.uploaded(end)[index] - sampler.uploaded(start)[index]) / (end - start)
+        for index, (start, end) in enumerate(windows)
+        if end > start
+    ]
+    row.mean_upload_mbit = sum(means) / len(means) if means else math.nan
+    row.peak_upload_mbit = 8e-6 * max((r for peer_rates in rates for r in peer_rates), default=math.nan)
     epochs_of_all_peers = row.epochs_measured * (1 if solo else len(peers))
     row.bound_bytes_per_sample = (
         allreduce_bound_per_epoch(wire_bytes, 1 if solo else row.peers) * epochs_of_all_peers / samples

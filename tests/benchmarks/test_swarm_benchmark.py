@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.swarm import against_sync, curve_table, parse_args, table
+from benchmarks.swarm import against_sync, curve_table, parse_args, table, uplink_table
 from benchmarks.swarm_lib import (
     CounterSampler,
     Row,
@@ -50,6 +50,26 @@ def test_counters_are_interpolated_between_samples():
     sampler.samples = [(10.0, [0, 100]), (20.0, [1000, 300])]
     assert sampler.at(15.0) == [500.0, 200.0]
     assert sampler.at(5.0) == [0.0, 100.0] and sampler.at(25.0) == [1000.0, 300.0]
+
+
+def test_upload_is_read_per_interval_inside_the_window():
+    sampler = CounterSampler([object(), object()])
+    sampler.uploads = [(10.0, [0, 0]), (11.0, [1_250_000, 0]), (12.0, [1_250_000, 500]), (14.0, [2_500_000, 500])]
+    # 10 Mbit/s in the first second, nothing in the next, 5 Mbit/s over the last two
+    assert sampler.upload_rates(0, 10.0, 14.0) == [1_250_000.0, 0.0, 625_000.0]
+    assert sampler.upload_rates(0, 10.5, 14.0) == [0.0, 625_000.0]  # only intervals inside the window
+    assert sampler.uploaded(13.0) == [1_875_000.0, 500.0]
+
+
+def test_the_uplink_table_shows_a_burst_against_the_mean_and_skips_rows_without_counters():
+    bursty = Row(link="home_asym", mode="local_sparse_x8", peers=2, local_steps=32)
+    bursty.mean_upload_mbit, bursty.peak_upload_mbit, bursty.seconds_per_epoch = 0.25, 9.5, 240.0
+    bursty.breakdown = {"blocked": 8.9}
+    old = Row(link="home_asym", mode="sync", peers=2)
+    text = uplink_table([bursty, old])
+    assert "| home_asym | local_sparse_x8 | 32 | 0.25 | 9.50 | 38.0 | 8.9 | 240.0 |" in text
+    assert "sync" not in text
+    assert uplink_table([old]) == ""
 
 
 def _flag(flags, name):
@@ -102,6 +122,8 @@ def test_every_row_is_measured_after_the_largest_round(tmp_path):
     peers = [_peer(tmp_path, "a", epochs), _peer(tmp_path, "b", epochs)]
     sampler = CounterSampler([object(), object()])
     sampler.samples = [(0.0, [0, 0]), (100.0, [10_000, 10_000])]
+    # the window is 40 s to 80 s: peer a sends a 10 Mbit/s burst in its first second, 2.5 MB in all; peer b 1 MB
+    sampler.uploads = [(40.0, [0, 0]), (41.0, [1_250_000, 0]), (80.0, [2_500_000, 1_000_000])]
 
     def measured(window_start):
         row = Row(link="home", mode="sync", peers=2, round_samples=128)
@@ -111,6 +133,7 @@ def test_every_row_is_measured_after_the_largest_round(tmp_path):
     assert row.error is None and row.epochs_measured == 4 and row.samples_measured == 4 * 128
     assert row.seconds_measured == 40.0 and row.samples_per_second == 512 / 40 and row.efficiency == 512 / 40 / 4
     assert row.bytes_per_sample == 2 * 4000 / 512  # 100 bytes/s per peer over the 40 s window
+    assert row.peak_upload_mbit == pytest.approx(10.0) and row.mean_upload_mbit == pytest.approx((0.5 + 0.2) / 2)
     assert len(row.curve) == 8  # the training-loss curve keeps every epoch
     assert row.clients == 0
     late = measured(1024)
