@@ -11,7 +11,8 @@ link, and prints a markdown table: useful samples/s of the swarm, efficiency = s
 samples/s) and the same at equal compute speed (compute share / solo's, what carries over to peers that do not
 share cores), bytes sent + received per peer per sample (from the namespace interfaces' counters) next to the
 butterfly all-reduce lower bound of the gradients at the wire format, a per-epoch time breakdown and the
-validation loss; then the validation loss at equal samples (a curve) and each mode against ``sync``. See
+validation loss; then the validation loss at equal samples (a curve), each mode against ``sync`` and each row's
+upload against its link (the mean and the peak over about a second). See
 ``benchmarks/swarm_lib.py`` for how each figure is measured.
 
 Equal samples: every row trains ``--epochs x --target_batch_size`` samples. The ``local_x<k>`` modes

@@ -22,12 +22,6 @@ pytestmark = [
     pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
 ]
 
-DURATION = 180.0
-"""Seconds of training once every peer is up (start-up and shutdown add about a minute): the issue's trials trained
-180 s. A volunteer can lose one to three start-up rounds (it loads the state a moment before round 1 ends), which
-weigh up to 10 % of the 24 to 31 rounds of 120 s (one of two b runs at 120 s failed at 87.1 %; five runs of a and b
-at 180 s passed, docs/benchmarks.md)."""
-
 
 def _explain(result: dict) -> str:
     peers = {
@@ -38,7 +32,7 @@ def _explain(result: dict) -> str:
     return f"{result['scenario']}: failed {failed}; peers {peers}; params {result.get('params')}; logs {result['logs']}"
 
 
-def _run(key: str, folder, duration: float = DURATION, baseline=None) -> dict:
+def _run(key: str, folder, duration: float = home_swarm.DURATION, baseline=None) -> dict:
     result = home_swarm.run_scenario(key, folder, duration, baseline=baseline)
     result["logs"] = str(folder)
     return result
