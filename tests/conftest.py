@@ -4,6 +4,7 @@ opt-in suites run only when ``-m`` names them; ``netns`` tests are skipped where
 import logging
 import os
 import re
+import sys
 import time
 
 import psutil
@@ -43,6 +44,19 @@ def _kill_children(timeout: float = 5.0) -> list:
     return children
 
 
+def reset_hivemind_locks() -> None:
+    """New locks for hivemind's MPFuture and SharedBytes, as hivemind's own test-suite makes after killing children.
+
+    They are ``multiprocessing`` locks: one semaphore shared by the test process and every process forked from it
+    (the DHT and averager processes of in-process tests). A child killed while it held one (``MPFuture._send_update``
+    holds ``_update_lock`` for a whole pipe write, a state included) leaves it locked for good, and every later
+    test's peers block on it: one such kill once turned the rest of a CI run into timeouts (tests/test_conftest.py).
+    After a test no child is left that could use the old locks."""
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()
+
+
 @pytest.fixture(autouse=True)
 def cleanup_children():
     """Kill whatever a test left running, as hivemind's own test-suite does, and delete the shared-memory files its
@@ -52,6 +66,7 @@ def cleanup_children():
     leftovers = _kill_children()
     if leftovers:
         logging.getLogger(__name__).info("killed %d leftover child processes", len(leftovers))
+    reset_hivemind_locks()
     removed = remove_orphaned_shared_memory(since=started)
     if removed:
         logging.getLogger(__name__).info("removed %d shared-memory files of processes that are gone", removed)
