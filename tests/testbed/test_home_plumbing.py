@@ -80,3 +80,12 @@ def test_cleanup_after_an_exception():
             net.homes[0].run(["sleep", "60"])
             raise RuntimeError("body failed")
     assert _ours(net.prefix) == []
+
+
+def test_the_internet_prefix_is_checked_before_anything_is_built():
+    """``internet_prefix`` (benchmarks/relay_limits.py passes 11.214 so that go-libp2p sees public addresses) must
+    be two octets that clash with neither loopback nor the homes' 192.168.i.0/24 LANs."""
+    for bad in ("192.168", "127.0", "10", "10.214.1", "10.x", "10.300"):
+        with pytest.raises(ValueError, match="internet_prefix must be two octets"):
+            HomeNetwork(public=1, homes=1, internet_prefix=bad)
+    assert HomeNetwork(public=1, homes=1, internet_prefix="11.214", subnet_index=7).subnet == "11.214.7.0/24"

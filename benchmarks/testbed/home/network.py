@@ -13,6 +13,9 @@ Layout of one :class:`HomeNetwork` (``P`` is the per-run prefix, e.g. ``lhhome42
   from the WAN unless it belongs to a connection the volunteer opened, so nothing on the internet can dial a
   volunteer, as behind a home router with no port forwarded. ``forward_port`` adds a port forward (DNAT).
 - A volunteer's only route out is its router (default route); public hosts have no route to any home LAN.
+- The internet segment is ``internet_prefix``.k.0/24, 10.214 by default. go-libp2p counts 10.x as a private address
+  and starts DCUtR hole punching only on a public one: ``internet_prefix="11.214"`` makes the hosts look public (the
+  namespaces still have no route to anything outside them; benchmarks/relay_limits.py).
 - Home links are asymmetric (``HomeLink``): tbf on the router's WAN (the volunteer's upload) and on its LAN side
   (the volunteer's download), 10 and 50 Mbit/s by default. Public hosts' links are unlimited unless ``public_mbit``.
 
@@ -124,6 +127,7 @@ class HomeNetwork(NamespaceLifecycle):
         link: HomeLink = HomeLink(),
         public_mbit: Optional[float] = None,
         subnet_index: Optional[int] = None,
+        internet_prefix: str = "10.214",
     ):
         if not 0 <= public <= 50 or not 0 <= homes <= 50 or public + homes == 0:
             raise ValueError(f"need 0..50 public hosts and 0..50 homes, not both 0; got {public} and {homes}")
@@ -132,10 +136,20 @@ class HomeNetwork(NamespaceLifecycle):
         if subnet_index is None:
             subnet_index = os.getpid() % 250 + 1
         if not 0 <= subnet_index <= 255:
-            raise ValueError(f"subnet_index must be in 0..255 (10.214.k.0/24), got {subnet_index}")
+            raise ValueError(f"subnet_index must be in 0..255 ({internet_prefix}.k.0/24), got {subnet_index}")
+        octets = internet_prefix.split(".")
+        if (
+            len(octets) != 2
+            or not all(o.isdigit() and 0 <= int(o) <= 255 for o in octets)
+            or octets[0] in ("127", "192")
+        ):
+            raise ValueError(
+                f"internet_prefix must be two octets such as 10.214 (not 127.x or 192.x: the homes' LANs are "
+                f"192.168.i.0/24), got {internet_prefix!r}"
+            )
         self.num_public, self.num_homes, self.link, self.public_mbit = public, homes, link, public_mbit
-        self.subnet = f"10.214.{subnet_index}.0/24"
-        self._k = subnet_index
+        self._net = f"{internet_prefix}.{subnet_index}"
+        self.subnet = f"{self._net}.0/24"
         self.prefix = f"{NAME_ROOT}{os.getpid()}r{secrets.token_hex(2)}"
         self.internet = f"{self.prefix}-inet"
         self.public: List[Host] = []
@@ -179,7 +193,7 @@ class HomeNetwork(NamespaceLifecycle):
         _sh("ip", "-n", self.internet, "link", "add", BRIDGE, "type", "bridge")
         _sh("ip", "-n", self.internet, "link", "set", BRIDGE, "up")
         for index in range(self.num_public):
-            host = Host(name=f"{self.prefix}-pub{index}", ip=f"10.214.{self._k}.{index + 1}", index=index)
+            host = Host(name=f"{self.prefix}-pub{index}", ip=f"{self._net}.{index + 1}", index=index)
             host.bridge_port = f"pub{index}"
             self._add_namespace(host.name)
             self._plug(host.name, host.bridge_port, ETH, host.ip)
@@ -206,7 +220,7 @@ class HomeNetwork(NamespaceLifecycle):
             index=index,
             bridge_port=f"rtr{index}",
             router=f"{self.prefix}-rtr{index}",
-            wan_ip=f"10.214.{self._k}.{101 + index}",
+            wan_ip=f"{self._net}.{101 + index}",
             link=self.link,
         )
         self._add_namespace(host.router)

@@ -179,7 +179,8 @@ Reachability (``reachability``; ``USED_METHODS`` there pins the P2P calls)
   the server opens a fresh TCP connection to the requester's announced addresses (its observed IP only, bounded
   per peer and minute) and answers whether a libp2p listener replied. ``own_dialable_maddrs`` drops
   ``/p2p-circuit`` addresses, ``relayed`` tells them apart. ``connect_to`` dials given addresses through the
-  private ``P2P._client`` (the relay measurement, benchmarks/relay_limits.py).
+  private ``P2P._client`` (the relay measurement, benchmarks/relay_limits.py), written by ``go_multiaddr`` in the
+  binary form p2pd reads (hivemind's multiaddr library writes ``/p2p/<id>`` as a CID, which p2pd refuses).
 
 Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
 - ``__init__``: sets its own state (consensus, claims, refutations) before hivemind's, which starts the thread.

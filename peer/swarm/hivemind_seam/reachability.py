@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import re
 import secrets
 import time
 from collections import deque
@@ -292,8 +293,39 @@ class DialBackRequest:
 
 async def connect_to(p2p: P2P, peer_id: PeerID, maddrs: Sequence[str]) -> None:
     """Open a libp2p connection to ``peer_id`` at ``maddrs`` (hivemind's P2P has no public call for it; reads its
-    private ``_client``). Used by the relay measurement (benchmarks/relay_limits.py) to dial a /p2p-circuit address."""
-    await p2p._client.connect(peer_id, [Multiaddr(m) for m in maddrs])
+    private ``_client``). Used by the relay measurement (benchmarks/relay_limits.py) to dial a /p2p-circuit address.
+    The addresses go to p2pd in the binary form go-libp2p reads (``go_multiaddr``)."""
+    await p2p._client.connect(peer_id, [go_multiaddr(m) for m in maddrs])
+
+
+_P2P_CODE = b"\xa5\x03"  # multicodec 421 (p2p) as a varint
+_P2P_PART = re.compile(r"/(?:p2p|ipfs)/([1-9A-HJ-NP-Za-km-z]+)")
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def go_multiaddr(maddr: str) -> Multiaddr:
+    """``maddr`` with each ``/p2p/<peer id>`` encoded as go-libp2p reads it: the peer ID's multihash. The multiaddr
+    library hivemind 1.1.12 uses writes a CIDv1 (``01 72`` + multihash), which p2pd refuses as "length greater than
+    remaining number of bytes in buffer": every address with a peer ID inside, such as a relay circuit
+    ``/ip4/R/tcp/P/p2p/<relay>/p2p-circuit/p2p/<peer>``, failed to dial (tests/swarm/test_reachability.py pins it)."""
+    out, start = b"", 0
+    for match in _P2P_PART.finditer(maddr):
+        if match.start() > start:
+            out += Multiaddr(maddr[start : match.start()]).to_bytes()
+        peer = PeerID.from_base58(match.group(1)).to_bytes()
+        out += _P2P_CODE + _varint(len(peer)) + peer
+        start = match.end()
+    if start < len(maddr):
+        out += Multiaddr(maddr[start:]).to_bytes()
+    return Multiaddr(out)
 
 
 def relayed(maddr: str) -> bool:
