@@ -186,20 +186,10 @@ def measure(
         start(relay_host, "relay")
         start(home, "home")
         callers = [
-            start(
-                public_caller,
-                "caller",
-                "--name",
-                "public",
-                "--punch_wait",
-                str(punch_wait),
-                "--sizes",
-                *map(str, sizes),
-            ),
-            start(
-                home_caller, "caller", "--name", "home", "--punch_wait", str(punch_wait), "--sizes", *map(str, sizes)
-            ),
+            start(host, "caller", "--name", name, "--punch_wait", str(punch_wait), "--sizes", *map(str, sizes))
+            for host, name in ((public_caller, "public"), (home_caller, "home"))
         ]
+        print(f"started R, H and two callers; H's reservation on R takes about 3 minutes ({net.subnet})", flush=True)
         budget = circuit_timeout + 2 * punch_wait + 4 * len(sizes) * timeout + 120
         for proc in callers:
             proc.wait(timeout=budget)
