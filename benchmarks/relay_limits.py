@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
@@ -43,9 +42,9 @@ def _read_json(path: Path, timeout: float) -> dict:
 
 
 def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    os.replace(tmp, path)
+    from benchmarks.testbed.processes import write_ready_file
+
+    write_ready_file(path, json.dumps(value, indent=1))
 
 
 async def count_handler(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

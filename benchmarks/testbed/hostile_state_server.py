@@ -20,7 +20,6 @@ import asyncio
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import AsyncIterator
 
 import hivemind
@@ -30,6 +29,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
+from benchmarks.testbed.processes import write_ready_file
 from peer.swarm.keys import state_averager_prefix
 from peer.swarm.records import make_validators
 
@@ -108,7 +108,7 @@ def main(argv) -> int:
     averager.state_sharing_priority = HOSTILE_PRIORITY
     averager.allow_state_sharing = True
     time.sleep(3.0)  # the declaration reaches the DHT
-    Path(args.ready).write_text(dht.peer_id.to_base58())
+    write_ready_file(args.ready, dht.peer_id.to_base58())
     logger.info("Serving a %s state with priority %g", args.mode, HOSTILE_PRIORITY)
     while True:
         time.sleep(1.0)

@@ -229,6 +229,29 @@ def kill_all(peers: Iterable[PeerProcess]) -> None:
             peer.kill_tree()
 
 
+def write_ready_file(path, text: str) -> None:
+    """Write what a helper process tells its starter once it is ready, whole: the starter polls for the file
+    (``wait_for_file``) and would read it empty between a plain write's create and its write (a CI run failed on
+    that: ``JSONDecodeError`` on an empty ready file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def wait_for_file(path: Path, peer: PeerProcess, timeout: float) -> str:
+    """The text ``peer`` writes to ``path`` with ``write_ready_file`` once it is ready; raises if the peer exits or
+    ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if peer.poll() is not None:
+            raise RuntimeError(f"{peer.name} exited with {peer.poll()}:\n{peer.tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{peer.name} was not ready within {timeout:.0f} s:\n{peer.tail()}")
+        time.sleep(0.2)
+    return path.read_text()
+
+
 SHARED_MEMORY_DIR = Path("/dev/shm")
 
 

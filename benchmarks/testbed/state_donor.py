@@ -43,7 +43,12 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from benchmarks.testbed.processes import PeerProcess, share_tensors_by_file_descriptor
+from benchmarks.testbed.processes import (
+    PeerProcess,
+    share_tensors_by_file_descriptor,
+    wait_for_file,
+    write_ready_file,
+)
 from model import LeanGPTForCausalLM, load_config
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
 from peer.swarm.hivemind_seam import LeanHiveStateAverager
@@ -279,7 +284,7 @@ def main(argv) -> int:
     time.sleep(2.0)  # the state declaration reaches the DHT
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     _SERVING.set()
-    Path(args.ready).write_text(json.dumps({"peer_id": dht.peer_id.to_base58(), "initial_peers": maddrs}))
+    write_ready_file(args.ready, json.dumps({"peer_id": dht.peer_id.to_base58(), "initial_peers": maddrs}))
     logger.info("Serving the state (%s) as %s", args.mode, dht.peer_id)
     try:
         while True:
@@ -308,14 +313,7 @@ def start_donor(folder: Path, name: str, run_id: str, *args, initial_peers=()) -
 
 
 def wait_ready(peer: PeerProcess, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while not peer.ready_path.exists():
-        if peer.poll() is not None:
-            raise RuntimeError(f"{peer.name} exited with {peer.poll()}:\n{peer.tail()}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{peer.name} was not ready within {timeout:.0f} s:\n{peer.tail()}")
-        time.sleep(0.2)
-    return json.loads(peer.ready_path.read_text())
+    return json.loads(wait_for_file(peer.ready_path, peer, timeout))
 
 
 class Joiner:

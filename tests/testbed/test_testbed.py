@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks.testbed.events import EventLog
-from benchmarks.testbed.processes import REPO_ROOT, PeerExited, PeerProcess, remove_orphaned_shared_memory
+from benchmarks.testbed.processes import (
+    REPO_ROOT,
+    PeerExited,
+    PeerProcess,
+    remove_orphaned_shared_memory,
+    write_ready_file,
+)
 from benchmarks.testbed.trainers import FAULT_TRAINER_MODULE, injects_faults, trainer_entry_point
 
 
@@ -147,3 +153,12 @@ def test_the_fault_seams_private_hivemind_names_still_exist():
     for module, cls, name in PINNED:
         attribute = getattr(getattr(importlib.import_module(module), cls), name)
         assert inspect.isfunction(attribute), f"{module}.{cls}.{name} is no longer a method"
+
+
+def test_a_ready_file_appears_whole(tmp_path):
+    """A helper's ready file is renamed into place (benchmarks.testbed.processes.write_ready_file): a starter that
+    polls for it never reads it empty, as a CI run once did between a plain write's create and its write."""
+    path = tmp_path / "donor.ready"
+    write_ready_file(path, '{"peer_id": "Qm"}')
+    write_ready_file(path, '{"peer_id": "Qm2"}')
+    assert path.read_text() == '{"peer_id": "Qm2"}' and sorted(p.name for p in tmp_path.iterdir()) == ["donor.ready"]

@@ -29,7 +29,7 @@ from benchmarks.testbed.faults.injection import (
     SEND_GRAD_SCALE_ENV,
     SEND_WEIGHT_ENV,
 )
-from benchmarks.testbed.processes import PeerProcess, kill_all
+from benchmarks.testbed.processes import PeerProcess, kill_all, wait_for_file
 from benchmarks.testbed.trainers import start_trainer, wait_for_epoch
 
 STARTUP = 120
@@ -56,17 +56,6 @@ def _relative_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor])
     )
 
 
-def _wait_file(path: Path, peer: PeerProcess, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if peer.poll() is not None:
-            raise RuntimeError(f"{peer.name} exited with {peer.poll()}:\n{peer.tail()}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{peer.name} was not ready within {timeout:.0f} s:\n{peer.tail()}")
-        time.sleep(0.2)
-    return path.read_text().strip()
-
-
 def hostile_state_server(folder: Path, mode: str, *, epochs_after_join: int = 3) -> Dict[str, Any]:
     """Honest trainer a; hostile server h (``mode``, priority 1e9); joiner b. Returns the measurements:
     ``loaded_epoch`` (b's state_loaded event, None if none), ``a_epoch_at_join``, ``equal_epochs`` (epochs after the
@@ -91,7 +80,7 @@ def hostile_state_server(folder: Path, mode: str, *, epochs_after_join: int = 3)
             module="benchmarks.testbed.hostile_state_server",
         ).start()
         peers.append(hostile)
-        hostile_id = _wait_file(ready, hostile, timeout=120)
+        hostile_id = wait_for_file(ready, hostile, timeout=120).strip()
         details["hostile_peer"] = hostile_id
         b = start_trainer(
             folder, "b", run_id, initial_peers=join, extra=extra, env={PARAMS_DIR_ENV: str(folder / "b" / "params")}
