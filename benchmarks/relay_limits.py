@@ -32,13 +32,10 @@ PORT = 31337  # the relay's listening port on its public address
 
 
 def _read_json(path: Path, timeout: float) -> dict:
-    """What another role wrote, once it is there (roles start in any order)."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} was not written within {timeout} s: see that role's log beside it")
-        time.sleep(0.5)
-    return json.loads(path.read_text())
+    """What another role wrote, once it is there (roles start in any order; their logs lie beside it)."""
+    from benchmarks.testbed.processes import wait_for_file
+
+    return json.loads(wait_for_file(path, None, timeout))
 
 
 def _write_json(path: Path, value: dict) -> None:

@@ -239,15 +239,16 @@ def write_ready_file(path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def wait_for_file(path: Path, peer: PeerProcess, timeout: float) -> str:
+def wait_for_file(path: Path, peer: Optional[PeerProcess], timeout: float) -> str:
     """The text ``peer`` writes to ``path`` with ``write_ready_file`` once it is ready; raises if the peer exits or
-    ``timeout`` passes first."""
+    ``timeout`` passes first. ``peer`` None: a process this one did not start (it only waits)."""
     deadline = time.monotonic() + timeout
     while not path.exists():
-        if peer.poll() is not None:
+        if peer is not None and peer.poll() is not None:
             raise RuntimeError(f"{peer.name} exited with {peer.poll()}:\n{peer.tail()}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{peer.name} was not ready within {timeout:.0f} s:\n{peer.tail()}")
+            who = f"{peer.name} was not ready" if peer is not None else f"{path} was not written"
+            raise TimeoutError(f"{who} within {timeout:.0f} s:\n{peer.tail() if peer is not None else ''}")
         time.sleep(0.2)
     return path.read_text()
 
