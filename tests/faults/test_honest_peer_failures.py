@@ -367,6 +367,42 @@ def test_an_anchoring_aux_record_votes_only_while_no_serving_trainer_reports(tmp
         dht.shutdown()
 
 
+def test_an_aux_behind_the_trainers_epoch_is_ready_when_their_epoch_ends_not_at_once(tmp_path):
+    """Home testbed b: an assisting aux took the trainers' round k + 1 as its own round k, so it was always one
+    epoch behind them. hivemind called it ready at once, and it began each round as soon as its last one ended, about
+    an epoch early: its matchmaking window ran out just as the public trainer joined, and the NAT'd volunteers, a
+    moment later, found no leader. Behind the trainers, an aux is ready when their epoch ends; a trainer behind the
+    swarm still catches up at once (hivemind's rule)."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from peer.swarm.hivemind_seam import LeanHiveProgressTracker
+
+    def trainers_at(epoch: int, samples: int) -> dict:  # two trainers (one record may end no epoch alone)
+        record = _progress_record(epoch=epoch, samples=samples, samples_per_second=50.0, client_mode=False)
+        return {b"trainer0": record, b"trainer1": record}
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        aux = LeanHiveProgressTracker(dht, "aux_behind_run", 512, start=False)
+        aux.votes_own_epoch = False  # as LeanHiveOptimizer sets it for an auxiliary peer
+        with aux.pause_updates():
+            aux.update_epoch(4)  # its last round ended: the progress it holds is from before that round
+        aux.global_progress = aux._parse_swarm_progress_data(trainers_at(5, 128))
+        assert aux.global_epoch == 5 and not aux.ready_to_update_epoch  # not fetched since: not yet
+        aux.fetched_global_progress_this_epoch.set()
+        assert not aux.ready_to_update_epoch  # half the trainers' epoch to go (about 2.6 s at their rate)
+        assert aux.estimated_next_update_time > get_dht_time() + 2
+        aux.global_progress = aux._parse_swarm_progress_data(trainers_at(5, 256))
+        assert aux.ready_to_update_epoch  # their epoch ended: the round is due
+
+        trainer = LeanHiveProgressTracker(dht, "aux_behind_run", 512, start=False)
+        trainer.global_progress = trainer._parse_swarm_progress_data(trainers_at(5, 128))
+        assert trainer.local_progress.epoch == 0 and trainer.ready_to_update_epoch  # behind: catches up at once
+    finally:
+        dht.shutdown()
+
+
 def test_a_client_ends_no_epoch_alone_and_counts_its_samples_as_the_others_do(tmp_path):
     """A client-mode joiner of a local-mode swarm started before the only serving trainer had reported (hivemind
     publishes a trainer's progress after its first step) and ended four rounds on its own samples; nobody can

@@ -170,7 +170,26 @@ class LeanHiveProgressTracker(ProgressTracker):
         # would begin from the older state, and the two would never agree again
         if self.client_mode and self.consensus_epoch is None:
             return False
+        if not self.votes_own_epoch and self.global_epoch > self.local_progress.epoch:
+            return self._swarm_epoch_ending()
         return super().ready_to_update_epoch
+
+    def _swarm_epoch_ending(self) -> bool:
+        """An aux peer whose epoch is behind the trainers' is ready when their current epoch ends, not at once.
+
+        An aux's epoch moves by one per round it takes, and its round's label lags the trainers' by one once it began
+        with the swarm a round late (its first round was their second): it takes their round k + 1 as its round k
+        (the result is held under their label, round_result.py). hivemind's tracker calls a peer behind the swarm
+        ready at once, so the aux began each round as soon as its last one ended, about an epoch early, and its
+        matchmaking window (averaging_timeout) often ran out just as the trainers came: it assembled with the first
+        of them, and the home volunteers behind NAT, a moment later, found no leader (home testbed b: 4 of 53 rounds
+        each). Its round is the swarm's current one: due when the trainers' samples reach the target or their
+        epoch's estimated end passes, the progress fetched after the aux's last round (the progress it held then
+        described the epoch that round ended)."""
+        if not self.fetched_global_progress_this_epoch.is_set():
+            return False
+        progress = self.global_progress
+        return progress.samples_accumulated >= self.target_batch_size or get_dht_time() >= progress.eta_next_epoch
 
     # ------------------------------------------------------------------------------------- bounded records
 
