@@ -385,7 +385,7 @@ def test_an_aux_behind_the_trainers_epoch_is_ready_when_their_epoch_ends_not_at_
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         aux = LeanHiveProgressTracker(dht, "aux_behind_run", 512, start=False)
-        aux.votes_own_epoch = False  # as LeanHiveOptimizer sets it for an auxiliary peer
+        aux.votes_own_epoch, aux.rounds_follow_trainers_epoch = False, True  # as set for a sync-mode aux
         with aux.pause_updates():
             aux.update_epoch(4)  # its last round ended: the progress it holds is from before that round
         aux.global_progress = aux._parse_swarm_progress_data(trainers_at(5, 128))
@@ -399,6 +399,45 @@ def test_an_aux_behind_the_trainers_epoch_is_ready_when_their_epoch_ends_not_at_
         trainer = LeanHiveProgressTracker(dht, "aux_behind_run", 512, start=False)
         trainer.global_progress = trainer._parse_swarm_progress_data(trainers_at(5, 128))
         assert trainer.local_progress.epoch == 0 and trainer.ready_to_update_epoch  # behind: catches up at once
+    finally:
+        dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_only_a_sync_mode_aux_waits_for_the_trainers_epoch_to_end():
+    """The optimizer turns the wait on for an auxiliary peer in sync mode only: a trainer behind the swarm catches up
+    at once, and in local mode the group key names the round's epoch, so an aux behind catches up by failing rounds
+    one right after the other (waiting for each epoch's end, it would stay behind for good)."""
+    import hivemind
+
+    from benchmarks.testbed.processes import share_tensors_by_file_descriptor
+    from peer.swarm.config import CollaborationArguments, OptimizerArguments
+    from peer.swarm.network import make_validators
+    from peer.swarm.optimizer import build_optimizer
+
+    share_tensors_by_file_descriptor()
+    key = hivemind.utils.crypto.RSAPrivateKey()
+    dht = hivemind.DHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=make_validators("aux_wait", key)[0]
+    )
+    try:
+        for sync_mode, auxiliary, waits in (("sync", True, True), ("sync", False, False), ("local", True, False)):
+            collab = CollaborationArguments(target_batch_size=4, matchmaking_time=1.0, sync_mode=sync_mode)
+            opt = build_optimizer(
+                model=torch.nn.Linear(4, 4),
+                dht=dht,
+                run_id=f"aux_wait_{sync_mode}_{auxiliary}",
+                signing_key=key,
+                batch_size_per_step=None if auxiliary else 4,
+                collab=collab,
+                optim=OptimizerArguments(),
+                client_mode=False,
+                auxiliary=auxiliary,
+            )
+            try:
+                assert opt.tracker.rounds_follow_trainers_epoch is waits, (sync_mode, auxiliary)
+            finally:
+                opt.shutdown()
     finally:
         dht.shutdown()
 

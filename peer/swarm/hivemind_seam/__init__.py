@@ -192,9 +192,9 @@ Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
   re-sync after an isolation waits on it).
 - ``ready_to_update_epoch`` (property): never for a client-mode peer while no serving trainer reports (nobody
   could join the epochs it ended alone); a client's own samples also count only as much as the others count them.
-  An aux peer whose epoch is behind the trainers' is ready when their epoch ends (their samples or its estimated
-  end, fetched after the aux's last round; reads hivemind's ``fetched_global_progress_this_epoch``), not at once:
-  its rounds' label lags theirs by one, and it began each round an epoch early.
+  An aux peer in sync mode whose epoch is behind the trainers' is ready when their epoch ends (their samples or
+  its estimated end, fetched after the aux's last round; reads hivemind's ``fetched_global_progress_this_epoch``),
+  not at once: its rounds' label lags theirs by one, and it began each round an epoch early.
 - ``report_local_progress``, ``should_report_progress`` (a property over hivemind's event, which it assigns in
   ``__init__``): in local mode (``report_share``) the event that makes hivemind's thread store this peer's signed
   record is held shut until the peer has added a share of the round's target, except near the round's end.

@@ -1173,6 +1173,9 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         """How many times this peer's state was replaced (downloads applied, checkpoints or backups loaded): the
         round agreement of --sync_mode local lets a peer whose state was replaced during a round follow, not vote."""
         super().__init__(*args, load_state_timeout=download_settings.first_chunk_timeout, **kwargs)
+        # sync mode only: local mode's group keys name the round's epoch, so an aux behind catches up by failing
+        # rounds, one right after the other (LeanHiveProgressTracker._swarm_epoch_ending)
+        self.tracker.rounds_follow_trainers_epoch = self.auxiliary and not self.local_updates
         self.round_wait = RoundWait(self.averaging_timeout)
         if isinstance(self.grad_averager, PseudoGradientAverager):
             self.grad_averager.shared_parameters = tuple(

@@ -94,6 +94,9 @@ class LeanHiveProgressTracker(ProgressTracker):
     """The lower median of the peers' epochs at the last fetch (None: no peer reports progress)."""
     votes_own_epoch = True
     """False for an auxiliary peer: it observes the trainers, its own (downloaded, often older) epoch is no vote."""
+    rounds_follow_trainers_epoch = False
+    """True for an auxiliary peer in sync mode: behind the trainers' epoch, it is ready when their epoch ends
+    (``_swarm_epoch_ending``), not at once."""
 
     def __init__(self, *args, report_share: Optional[float] = None, report_every_step_within: float = 0.0, **kwargs):
         if report_share is not None and not 0 < report_share <= MAX_EXTRAPOLATED_SHARE:
@@ -170,7 +173,7 @@ class LeanHiveProgressTracker(ProgressTracker):
         # would begin from the older state, and the two would never agree again
         if self.client_mode and self.consensus_epoch is None:
             return False
-        if not self.votes_own_epoch and self.global_epoch > self.local_progress.epoch:
+        if self.rounds_follow_trainers_epoch and self.global_epoch > self.local_progress.epoch:
             return self._swarm_epoch_ending()
         return super().ready_to_update_epoch
 
