@@ -130,11 +130,19 @@ SCENARIOS: Dict[str, Scenario] = {
 
 
 def _code_version() -> str:
-    """The commit the peers ran (``git describe``), so results from before and after a peer-side change differ."""
+    """The commit the peers ran (``git describe``), so results from before and after a peer-side change differ;
+    "-dirty" where tracked files differ from it, except the results this benchmark writes (benchmarks/measured): a
+    run of several scenarios marked every scenario after its first as dirty."""
     import subprocess
 
-    found = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
-    return found.stdout.strip() or "unknown"
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    commit = git("describe", "--always")
+    if not commit:
+        return "unknown"
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/measured")
+    return commit + ("-dirty" if changed else "")
 
 
 def tolerance() -> float:

@@ -395,6 +395,14 @@ def test_an_aux_behind_the_trainers_epoch_is_ready_when_their_epoch_ends_not_at_
         assert aux.estimated_next_update_time > get_dht_time() + 2
         aux.global_progress = aux._parse_swarm_progress_data(trainers_at(5, 256))
         assert aux.ready_to_update_epoch  # their epoch ended: the round is due
+        # a lone serving trainer ends its epoch on its own samples: in the aux's view they count in full (capped at
+        # half the target, it never ended one and the aux joined no round: home testbed c); a client's stay capped
+        record = _progress_record(epoch=5, samples=512, samples_per_second=50.0, client_mode=False)
+        aux.global_progress = aux._parse_swarm_progress_data({b"trainer": record})
+        assert aux.ready_to_update_epoch
+        client = _progress_record(epoch=5, samples=512, samples_per_second=50.0, client_mode=True)
+        aux.global_progress = aux._parse_swarm_progress_data({b"trainer": trainers_at(5, 0)[b"trainer0"], b"c": client})
+        assert aux.global_progress.samples_accumulated == 256 and not aux.ready_to_update_epoch
 
         trainer = LeanHiveProgressTracker(dht, "aux_behind_run", 512, start=False)
         trainer.global_progress = trainer._parse_swarm_progress_data(trainers_at(5, 128))

@@ -188,7 +188,8 @@ class LeanHiveProgressTracker(ProgressTracker):
         of them, and the home volunteers behind NAT, a moment later, found no leader (home testbed b: 4 of 53 rounds
         each). Its round is the swarm's current one: due when the trainers' samples reach the target or their
         epoch's estimated end passes, the progress fetched after the aux's last round (the progress it held then
-        described the epoch that round ended)."""
+        described the epoch that round ended). Each serving trainer's samples count in full there
+        (``_bounded_progress``): a lone trainer ends its epoch on its own samples."""
         if not self.fetched_global_progress_this_epoch.is_set():
             return False
         progress = self.global_progress
@@ -331,6 +332,10 @@ class LeanHiveProgressTracker(ProgressTracker):
         share_cap = self.target_batch_size * MAX_PEER_SHARE  # what one other peer may account for
         extrapolation_cap = self.target_batch_size * MAX_EXTRAPOLATED_SHARE
 
+        # an aux behind the trainers times its round by their epoch's end, which a lone serving trainer reaches on its
+        # own samples: capped, one trainer never ended an epoch in the aux's view and the aux joined no round of it
+        # (home testbed c: 1 of 44). A record that overstates its samples only makes the aux's round begin early
+        trainers_end_epochs = self.rounds_follow_trainers_epoch and global_epoch > self.local_progress.epoch
         total_samples_accumulated = estimated_current_samples = 0.0
         total_samples_per_second = self.performance_ema.eps
         for key, record in records.items():
@@ -343,7 +348,7 @@ class LeanHiveProgressTracker(ProgressTracker):
                 extrapolated = min(max(0.0, now - record.time) * rate, extrapolation_cap)
             # a client's own samples count as the others count them: nobody can download a state from a client, so
             # its epochs must end when the serving peers' do, not earlier on its own samples
-            uncapped = key == own_key and not self.client_mode
+            uncapped = (key == own_key and not self.client_mode) or (trainers_end_epochs and not record.client_mode)
             if not uncapped:
                 samples = min(samples, share_cap)
             total_samples_per_second += rate
