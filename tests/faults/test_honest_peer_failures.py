@@ -416,38 +416,19 @@ def test_only_a_sync_mode_aux_waits_for_the_trainers_epoch_to_end():
     """The optimizer turns the wait on for an auxiliary peer in sync mode only: a trainer behind the swarm catches up
     at once, and in local mode the group key names the round's epoch, so an aux behind catches up by failing rounds
     one right after the other (waiting for each epoch's end, it would stay behind for good)."""
-    import hivemind
-
     from benchmarks.testbed.processes import share_tensors_by_file_descriptor
-    from peer.swarm.config import CollaborationArguments, OptimizerArguments
-    from peer.swarm.network import make_validators
-    from peer.swarm.optimizer import build_optimizer
+    from peer.swarm.config import CollaborationArguments
+    from tests.support.optimizers import peer_on
 
     share_tensors_by_file_descriptor()
-    key = hivemind.utils.crypto.RSAPrivateKey()
-    dht = hivemind.DHT(
-        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=make_validators("aux_wait", key)[0]
-    )
-    try:
-        for sync_mode, auxiliary, waits in (("sync", True, True), ("sync", False, False), ("local", True, False)):
-            collab = CollaborationArguments(target_batch_size=4, matchmaking_time=1.0, sync_mode=sync_mode)
-            opt = build_optimizer(
-                model=torch.nn.Linear(4, 4),
-                dht=dht,
-                run_id=f"aux_wait_{sync_mode}_{auxiliary}",
-                signing_key=key,
-                batch_size_per_step=None if auxiliary else 4,
-                collab=collab,
-                optim=OptimizerArguments(),
-                client_mode=False,
-                auxiliary=auxiliary,
-            )
-            try:
-                assert opt.tracker.rounds_follow_trainers_epoch is waits, (sync_mode, auxiliary)
-            finally:
-                opt.shutdown()
-    finally:
-        dht.shutdown()
+    for sync_mode, auxiliary, waits in (("sync", True, True), ("sync", False, False), ("local", True, False)):
+        collab = CollaborationArguments(target_batch_size=4, matchmaking_time=1.0, sync_mode=sync_mode)
+        dht, _, opt = peer_on(f"aux_wait_{sync_mode}_{auxiliary}", collab=collab, auxiliary=auxiliary)
+        try:
+            assert opt.tracker.rounds_follow_trainers_epoch is waits, (sync_mode, auxiliary)
+        finally:
+            opt.shutdown()
+            dht.shutdown()
 
 
 def test_a_client_ends_no_epoch_alone_and_counts_its_samples_as_the_others_do(tmp_path):

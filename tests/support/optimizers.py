@@ -11,9 +11,16 @@ import torch
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
 
 
-def peer_on(run_id: str, initial_peers=(), model: Optional[torch.nn.Module] = None):
+def peer_on(
+    run_id: str,
+    initial_peers=(),
+    model: Optional[torch.nn.Module] = None,
+    *,
+    collab: Optional[CollaborationArguments] = None,
+    auxiliary: bool = False,
+):
     """A DHT and a real model (a small default one) + hivemind optimizer, for in-process tests with one peer
-    or several."""
+    or several; ``collab`` defaults to a sync-mode swarm of 4-sample epochs, ``auxiliary`` builds an aux peer's."""
     import hivemind
 
     from peer.swarm.network import make_validators
@@ -32,10 +39,11 @@ def peer_on(run_id: str, initial_peers=(), model: Optional[torch.nn.Module] = No
         dht=dht,
         run_id=run_id,
         signing_key=key,
-        batch_size_per_step=4,
-        collab=CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
+        batch_size_per_step=None if auxiliary else 4,
+        collab=collab if collab is not None else CollaborationArguments(target_batch_size=4, matchmaking_time=1.0),
         optim=OptimizerArguments(),
         client_mode=False,
+        auxiliary=auxiliary,
     )
     return dht, model, opt
 
