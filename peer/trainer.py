@@ -37,6 +37,7 @@ from peer.swarm.data import (
 from peer.swarm.events import EventArguments
 from peer.swarm.hivemind_seam import LeanHiveOptimizer
 from peer.swarm.joining import (
+    RejoinWhenApart,
     check_sync_mode,
     count_other_state_sharing_peers,
     final_barrier,
@@ -172,6 +173,7 @@ class TrainerPeer:
         self.health = health if health is not None else RoundHealthCounter(sync_mode=config.collaboration.sync_mode)
         self.health_line = HealthLine()
         self.reducer_watch = reducer_watch  # a client-mode trainer's: pauses training while nobody can reduce
+        self.rejoin_when_apart = RejoinWhenApart()
         self.batch_size_per_step = batch_size_per_step(config.training)
         self._backup_failed = False
 
@@ -308,6 +310,7 @@ class TrainerPeer:
                 break
             if self.watchdog is not None and self.watchdog.wait_while_isolated(stop):
                 resync_with_swarm(self.optimizer)
+            self.rejoin_when_apart(self.optimizer)
             if self.reducer_watch is not None and self.reducer_watch.wait_while_missing(stop):
                 continue  # paused: check max_epochs and the stop request again before computing
             self.strategy.before_step()

@@ -7,8 +7,8 @@ flushed as it happens. The events and their fields:
 - ``joined`` (trainer, training starts): ``epoch``, ``state`` ("swarm", "backup" or "local")
 - ``serving`` (aux peer, HTTP server up): ``port``, ``epoch``
 - ``state_loaded``: ``epoch``, ``source`` ("swarm", "backup", "checkpoint"), ``reason`` ("join", "recovery",
-  "resync", "missed_round", "disagreement", "refresh", "resume"), ``path`` (the backup file or checkpoint folder,
-  else null)
+  "resync", "rejoin", "missed_round", "disagreement", "refresh", "resume"), ``path`` (the backup file or checkpoint
+  folder, else null)
 - ``epoch_done`` (trainer): ``epoch``, ``loss`` (mean, or null), ``mini_steps``, ``samples``, ``steps``, ``skipped``,
   ``now_at``, ``peers`` (the peers the progress tracker counted at the epoch's end, this one included),
   ``repaired_rounds`` (so far: rounds this trainer missed and took the result of from peers that took them)

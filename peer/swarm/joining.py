@@ -18,7 +18,7 @@ from hivemind.utils import get_dht_time
 from peer.swarm import events
 from peer.swarm.config import SYNC_MODES, CollaborationArguments
 from peer.swarm.errors import NetworkSetupError
-from peer.swarm.hivemind_seam import LeanHiveOptimizer, read_consensus_epoch
+from peer.swarm.hivemind_seam import DOWNLOAD_EPOCH_LEAD, LeanHiveOptimizer, read_consensus_epoch
 from peer.swarm.keys import gradient_prefix_of_mode, progress_key
 from peer.swarm.records import PeerProgress, read_averager_declarations, read_progress, read_state_sharing
 
@@ -272,6 +272,42 @@ def resync_with_swarm(optimizer: LeanHiveOptimizer, attempts: int = 3, epoch_tim
         if optimizer.load_state_checked():
             events.emit("state_loaded", epoch=optimizer.local_epoch, source="swarm", reason="resync", path=None)
     return False
+
+
+class RejoinWhenApart:
+    """A trainer beyond the swarm's consensus by more than a download may carry takes the consensus state (see
+    ``LeanHiveProgressTracker.apart_from_swarm``), confirmed on the records read fresh from the DHT (the tracker's
+    may be an epoch's fetch old, and a fast peer is often a few epochs ahead of a slow one); tried at most once per
+    ``pause`` seconds (a donor that does not answer is not asked before every step)."""
+
+    def __init__(self, pause: float = 30.0):
+        self.pause = pause
+        self._next_try = 0.0
+
+    def __call__(self, optimizer: LeanHiveOptimizer) -> bool:
+        """True if this peer was apart and took the consensus state now."""
+        apart = getattr(optimizer.tracker, "apart_from_swarm", lambda: None)()
+        if apart is None or time.monotonic() < self._next_try:
+            return False
+        consensus, donors = apart
+        fresh = _read_swarm_epoch(optimizer)
+        if fresh is None or optimizer.local_epoch <= fresh + DOWNLOAD_EPOCH_LEAD:
+            return False
+        self._next_try = time.monotonic() + self.pause
+        own = optimizer.local_epoch
+        logger.warning(
+            "This peer is at epoch %d, the swarm's consensus at %d (%d peers there): it trained apart from them, and "
+            "none of them takes a state that far ahead; taking theirs",
+            own,
+            consensus,
+            len(donors),
+        )
+        if not optimizer.load_state_checked(only_from=donors, rejoin_epoch=consensus):
+            logger.warning("Could not download the consensus state; trying again in %.0f s", self.pause)
+            return False
+        logger.info("Rejoined the swarm at epoch %d (left epoch %d)", optimizer.local_epoch, own)
+        events.emit("state_loaded", epoch=optimizer.local_epoch, source="swarm", reason="rejoin", path=None)
+        return True
 
 
 def _read_swarm_epoch(optimizer: LeanHiveOptimizer) -> Optional[int]:

@@ -324,6 +324,125 @@ def test_a_peer_that_found_nobody_yet_does_not_vote_its_fresh_epoch(tmp_path):
         dht.shutdown()
 
 
+@pytest.mark.timeout(240)
+def test_a_trainer_apart_from_the_swarm_takes_the_consensus_state():
+    """Three trainers started at one moment each ran alone until they found one another's records; on a busy CI
+    machine one reached epoch 16 while the other two were at 1. The two refused its state as "beyond the swarm's
+    consensus" (the lower median, 1), so the swarm stayed split for the rest of the run (the health test ran to its
+    timeout). The one apart takes the state of the peers at the consensus, and its schedule goes back with it."""
+    from benchmarks.testbed.aux import wait_for
+    from benchmarks.testbed.processes import share_tensors_by_file_descriptor
+    from peer.swarm.config import OptimizerArguments
+    from peer.swarm.hivemind_seam import DOWNLOAD_EPOCH_LEAD
+    from peer.swarm.joining import RejoinWhenApart
+    from peer.swarm.optimizer import learning_rate_at
+    from tests.support.optimizers import peer_on
+
+    share_tensors_by_file_descriptor()
+    peers = [peer_on("apart_run")]
+    peers += [peer_on("apart_run", peers[0][0].get_visible_maddrs()) for _ in range(2)]
+    (_, model_a, opt_a), (_, _, opt_b), (_, _, opt_c) = peers
+    apart_epoch = 1 + DOWNLOAD_EPOCH_LEAD + 4
+
+    def at(opt, epoch: int, value: float) -> None:  # a trainer that trained to ``epoch`` with these parameters
+        with torch.no_grad():
+            for param in opt.state_averager.optimizer.param_groups[0]["params"]:  # the copies that peers download
+                param.fill_(value)
+        opt.state_averager.parameters_replaced(epoch)
+        opt.state_averager._update_scheduler()
+        opt.state_averager.state_sharing_priority = epoch
+        opt.tracker.mark_in_sync()
+        opt.tracker.performance_ema.samples_per_second = 50.0
+        opt.tracker.report_local_progress(epoch, samples_accumulated=1)
+
+    try:
+        at(opt_b, 1, 2.0)
+        at(opt_c, 1, 2.0)
+        at(opt_a, apart_epoch, 7.0)
+        rejoin = RejoinWhenApart()
+        wait_for(lambda: opt_a.tracker.apart_from_swarm() is not None, timeout=60, what="A to see the others")
+        consensus, donors = opt_a.tracker.apart_from_swarm()
+        assert consensus == 1 and donors == {opt_b.dht.peer_id.to_bytes(), opt_c.dht.peer_id.to_bytes()}
+        assert opt_b.tracker.apart_from_swarm() is None  # the peers at the consensus stay
+
+        assert rejoin(opt_a)
+        assert opt_a.local_epoch in (1, 2)
+        served = opt_a.state_averager.optimizer.param_groups[0]["params"][0]
+        assert torch.all(served == 2.0) and torch.all(model_a[0].weight == 2.0)
+        assert opt_a.tracker.global_epoch < apart_epoch  # its own old record no longer names the swarm's epoch
+        expected = learning_rate_at(opt_a.local_epoch, OptimizerArguments())
+        assert opt_a.state_averager.scheduler.get_last_lr() == pytest.approx([expected] * len(opt_a.param_groups))
+        assert opt_a.tracker.apart_from_swarm() is None and not rejoin(opt_a)
+    finally:
+        for dht, _, opt in peers:
+            opt.shutdown()
+            dht.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_two_swarms_of_one_run_that_meet_train_on_as_one(tmp_path):
+    """Real trainers: a trains alone; b and c, started without it (a swarm of their own), train together. Once a DHT
+    node knows both swarms, a, far beyond b's and c's consensus, takes their state (neither of them would take its
+    state), and from then on the three average together."""
+    import hivemind
+
+    from benchmarks.testbed.aux import swarm_processes
+    from benchmarks.testbed.trainers import start_trainer, wait_for_epoch
+
+    with swarm_processes() as procs:
+        a = start_trainer(tmp_path, "a", "apart_swarms")
+        procs.append(a)
+        a_addrs = a.initial_peers(timeout=120)
+        wait_for_epoch(a, 8, timeout=180)
+        b = start_trainer(tmp_path, "b", "apart_swarms")
+        procs.append(b)
+        b_addrs = b.initial_peers(timeout=120)
+        c = start_trainer(tmp_path, "c", "apart_swarms", initial_peers=b_addrs)
+        procs.append(c)
+        wait_for_epoch(c, 1, timeout=180)
+        bridge = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=a_addrs + b_addrs)
+        try:
+            rejoined = a.events.wait("state_loaded", 120, where=lambda e: e["reason"] == "rejoin")
+            assert "trained apart from them" in a.log()
+            assert not b.events.all("state_loaded", where=lambda e: e["epoch"] > rejoined["epoch"] + 4)
+            left = max(int(e["epoch"]) for e in a.events.all("epoch_done"))
+            assert left > rejoined["epoch"] + 4
+            # one swarm from then on: a averages with the others (its next epochs are the swarm's, not its own)
+            after = wait_for_epoch(a, int(rejoined["epoch"]) + 3, timeout=120)
+            assert wait_for_epoch(b, after, timeout=120) >= after
+            assert after < left
+        finally:
+            bridge.shutdown()
+
+
+def test_a_trainer_a_few_epochs_ahead_is_not_apart():
+    """A fast honest peer is often a few epochs ahead of a slower one's view: within ``DOWNLOAD_EPOCH_LEAD`` the
+    others take its state (hivemind's catch-up), so it keeps its own; a serving peer that reports no throughput (an
+    anchoring aux) is nobody to take a state from."""
+    import hivemind
+
+    from peer.swarm.hivemind_seam import DOWNLOAD_EPOCH_LEAD, LeanHiveProgressTracker
+
+    def record(epoch: int, samples_per_second: float = 50.0):
+        return _progress_record(epoch=epoch, samples=0, samples_per_second=samples_per_second, client_mode=False)
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        tracker = LeanHiveProgressTracker(dht, "ahead_run", 64, start=False)
+        tracker.mark_in_sync()
+        tracker.local_progress = tracker._get_local_progress(1 + DOWNLOAD_EPOCH_LEAD, 0)
+        tracker._parse_swarm_progress_data({b"b": record(1), b"c": record(1)})
+        assert tracker.consensus_epoch == 1 and tracker.apart_from_swarm() is None
+        tracker.local_progress = tracker._get_local_progress(2 + DOWNLOAD_EPOCH_LEAD, 0)
+        tracker._parse_swarm_progress_data({b"aux": record(1, samples_per_second=0.0)})
+        assert tracker.consensus_epoch == 1 and tracker.apart_from_swarm() is None
+        tracker._parse_swarm_progress_data({b"b": record(1), b"c": record(1)})
+        assert tracker.apart_from_swarm() == (1, frozenset({b"p"}))
+    finally:
+        dht.shutdown()
+
+
 def _progress_record(*, epoch: int, samples: int, samples_per_second: float, client_mode: bool):
     """A peer's progress record as the tracker reads it from the DHT (signed-record checks are not the point here)."""
     from hivemind.optim.progress_tracker import LocalTrainingProgress

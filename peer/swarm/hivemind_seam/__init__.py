@@ -190,6 +190,11 @@ Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
   private ``_local_public_key`` (its own record) and ``metadata_expiration``/``performance_ema``.
 - ``read_consensus_epoch``: the same median consensus read fresh from the DHT (a long download re-reads it; the
   re-sync after an isolation waits on it).
+- ``apart_from_swarm``: a trainer more than ``DOWNLOAD_EPOCH_LEAD`` beyond the consensus (it trained apart: no
+  peer of the consensus takes its state) and the peers at the consensus, whose state it then takes
+  (``LeanHiveOptimizer.load_state_from_peers(rejoin_epoch=...)``; the state averager's scheduler steps back with
+  it, writing ``torch``'s ``LambdaLR._step_count``, which hivemind's ``_update_scheduler`` reads). The swarm's
+  epoch is this peer's local progress, not its own record in the DHT (stale after such a rejoin).
 - ``ready_to_update_epoch`` (property): never for a client-mode peer while no serving trainer reports (nobody
   could join the epochs it ended alone); a client's own samples also count only as much as the others count them.
   An aux peer in sync mode whose epoch is behind the trainers' is ready when their epoch ends (their samples or
@@ -247,11 +252,12 @@ from peer.swarm.hivemind_seam.dht import (
     private_key_from_der,
     routing_table_peers,
 )
-from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
+from peer.swarm.hivemind_seam.progress import DOWNLOAD_EPOCH_LEAD, LeanHiveProgressTracker, read_consensus_epoch
 from peer.swarm.hivemind_seam.timing import PHASES, ROUND_EVENTS, observe_phases, observe_rounds
 from peer.swarm.hivemind_seam.traffic import observe_traffic
 
 __all__ = [
+    "DOWNLOAD_EPOCH_LEAD",
     "MAX_CLOCK_SKEW",
     "MAX_RECORD_BYTES",
     "OVERRIDDEN_METHODS",

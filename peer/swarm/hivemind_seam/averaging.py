@@ -31,7 +31,12 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 import peer.swarm.hivemind_seam.matchmaking as leader_margin
-from peer.swarm.hivemind_seam.progress import LeanHiveProgressTracker, read_consensus_epoch
+from peer.swarm.hivemind_seam.progress import (
+    DOWNLOAD_EPOCH_LEAD,
+    MAX_EPOCH_LEAD,
+    LeanHiveProgressTracker,
+    read_consensus_epoch,
+)
 from peer.swarm.hivemind_seam.round_result import NORM_FACTOR, RoundResultSharing, fetch_seconds
 from peer.swarm.hivemind_seam.state_transfer import NoPartDonors, PartedStateTransfer, close_stream
 from peer.swarm.hivemind_seam.timing import report_round, round_outcome, timed_allreduce, timed_phase
@@ -582,10 +587,6 @@ def _finite_floats(tensors) -> bool:
     return all_finite(t for t in tensors if t.is_floating_point())  # 8-bit codes are always finite
 
 
-DOWNLOAD_EPOCH_LEAD = 4
-"""A downloaded state may be at most this many epochs beyond the swarm's consensus (the larger of the local and the
-progress tracker's epoch): a label of 10**12 would hang the scheduler loop (it replays every epoch) or end the run
-at max_epochs."""
 BOUND_REFRESH_SECONDS = 5.0
 """A download that took longer than this re-reads the swarm's consensus before the epoch check (the swarm moved on)."""
 STATE_CHUNK_TIMEOUT = 20.0
@@ -747,6 +748,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         self.serve_max_joiners = download_settings.serve_max_joiners
         self.applied_epoch: Optional[int] = None  # the epoch of the last download, if it was applied
         self._loading = False  # a download is being applied (host process)
+        self._rejoining = False  # host process: downloading a state older than its own (load_state_from_peers)
         # The epoch the parameters really are at, while local_epoch runs ahead of them: hivemind bumps local_epoch
         # before the optimizer step that produces that epoch's parameters, and hivemind.Optimizer bumps it after a
         # download to catch up with the swarm. None: the parameters are at local_epoch.
@@ -990,6 +992,8 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         ``.cpu()`` returns the very tensors the step updates in place while they are being serialized. So the
         snapshot is taken under lock_optimizer (which the step holds until it has updated the epoch) and cloned.
         """
+        if self._rejoining:
+            raise ValueError("not sharing this peer's state: it is taking the swarm's (it trained apart from it)")
         with self.lock_optimizer:
             metadata, tensors, infos = super().get_current_state()
             tensors = [tensor.clone() for tensor in tensors]
@@ -1047,13 +1051,15 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         self,
         *,
         max_epoch: Optional[int] = None,
+        min_epoch: Optional[int] = None,
         progress_key: Optional[str] = None,
         only_from: Optional[FrozenSet[bytes]] = None,
         **kwargs,
     ):
         """hivemind's download and apply, by ``download_settings``, with ``max_epoch`` (the swarm's consensus allows
-        no later state), only from the peers ``only_from`` if given, and a wait as long as the request may take
-        (hivemind waited load_state_timeout and left the transfer running)."""
+        no later state) and ``min_epoch`` (default: this peer's epoch), only from the peers ``only_from`` if given,
+        and a wait as long as the request may take (hivemind waited load_state_timeout and left the transfer
+        running)."""
         self.applied_epoch, self._loading = None, True
         bound = MPFuture()
         self._outer_pipe.send(
@@ -1062,7 +1068,8 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
                 [],
                 dict(
                     max_epoch=max_epoch,
-                    min_epoch=self.local_epoch,  # hivemind refuses an older state: the next peer is asked instead
+                    # hivemind refuses an older state: the next peer is asked instead
+                    min_epoch=self.local_epoch if min_epoch is None else min_epoch,
                     progress_key=progress_key,
                     future=bound,
                     only_from=only_from,
@@ -1071,10 +1078,19 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         )
         bound.result(timeout=30)
         kwargs["timeout"] = self.download_settings.request_seconds(self.state_bytes()) + 30
+        own_epoch = self.local_epoch
+        if min_epoch is not None and min_epoch < own_epoch:
+            # hivemind refuses a state older than local_epoch; meanwhile this peer's state, labelled with the older
+            # epoch, must reach nobody (get_current_state)
+            self._rejoining, self.local_epoch = True, min_epoch
         try:
             return super().load_state_from_peers(**kwargs)
         finally:
             self._loading = False
+            if self._rejoining:
+                self._rejoining = False
+                if self.applied_epoch is None:
+                    self.local_epoch = own_epoch
 
     def _update_scheduler(self):
         # TrainingStateAverager calls this right after applying a downloaded state (the one exact sign that the
@@ -1084,6 +1100,11 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
             self._params_epoch = self.local_epoch  # hivemind.Optimizer may bump local_epoch right after
         else:
             self._params_epoch = None
+        if self.scheduler is not None and self.scheduler._step_count > self.local_epoch + 1:
+            # a trainer apart from the swarm took the consensus state, of an earlier epoch (hivemind's loop below only
+            # steps forward): the schedule goes back with it, as a LambdaLR at that epoch would be
+            self.scheduler.last_epoch, self.scheduler._step_count = self.local_epoch - 1, self.local_epoch
+            self.scheduler.step()
         super()._update_scheduler()
 
     def state_arrived(self) -> bool:
@@ -1471,10 +1492,14 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         self.state_averager.parameters_replaced(self.local_epoch)
         self.state_loads += 1
 
-    def load_state_from_peers(self, only_from: Optional[FrozenSet[bytes]] = None, **kwargs):
+    def load_state_from_peers(
+        self, only_from: Optional[FrozenSet[bytes]] = None, rejoin_epoch: Optional[int] = None, **kwargs
+    ):
         """hivemind.Optimizer's, as one request by ``download_settings`` (hivemind retried ``while True``, so a peer
         that always failed kept this one downloading forever), with the epoch bound of the swarm's consensus;
-        ``only_from``: download only from these peers (IDs as bytes)."""
+        ``only_from``: download only from these peers (IDs as bytes); ``rejoin_epoch``: this trainer is apart from
+        the swarm, beyond its consensus (``LeanHiveProgressTracker.apart_from_swarm``): take a state of about that
+        epoch, older than its own."""
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
@@ -1484,10 +1509,14 @@ class LeanHiveOptimizer(hivemind.Optimizer):
         with self.tracker.pause_updates():
             # a state is labelled with its parameters' epoch: never far beyond the swarm's consensus (the tracker's
             # view may lag a few fast epochs behind a peer that serves its state)
-            max_epoch = download_epoch_bound(self.tracker, self.local_epoch)
+            max_epoch, min_epoch = download_epoch_bound(self.tracker, self.local_epoch), None
+            if rejoin_epoch is not None:
+                max_epoch = rejoin_epoch + DOWNLOAD_EPOCH_LEAD
+                min_epoch = max(0, rejoin_epoch - MAX_EPOCH_LEAD)
             try:
                 self.state_averager.load_state_from_peers(
                     max_epoch=max_epoch,
+                    min_epoch=min_epoch,
                     progress_key=self.tracker.training_progress_key,
                     only_from=only_from,
                     **kwargs,
@@ -1504,6 +1533,9 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                 if feedback is not None:  # --outer_compression sparse: reset, not the donor's (see sparse_wire)
                     feedback.reset()
                 if isinstance(self.tracker, LeanHiveProgressTracker):
+                    if rejoin_epoch is not None:  # the swarm's epoch is no longer this peer's old, later one
+                        self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+                        self.tracker.reestimate()
                     # a peer that claimed an epoch no served state has is not followed again (one download, not
                     # one per step)
                     self.tracker.refute_claims_above(self.local_epoch)
@@ -1525,10 +1557,12 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
 
-    def load_state_checked(self, only_from: Optional[FrozenSet[bytes]] = None) -> bool:
-        """Download the swarm's state (only from ``only_from`` if given); True only if a peer answered and the state
-        was applied."""
-        self.load_state_from_peers(only_from=only_from)
+    def load_state_checked(
+        self, only_from: Optional[FrozenSet[bytes]] = None, rejoin_epoch: Optional[int] = None
+    ) -> bool:
+        """Download the swarm's state (only from ``only_from`` if given; ``rejoin_epoch``: see
+        ``load_state_from_peers``); True only if a peer answered and the state was applied."""
+        self.load_state_from_peers(only_from=only_from, rejoin_epoch=rejoin_epoch)
         return self.state_averager.state_arrived()
 
 

@@ -9,7 +9,7 @@ import math
 import statistics
 import threading
 import time
-from typing import Dict, Optional
+from typing import Dict, FrozenSet, Optional, Tuple
 
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.utils import get_dht_time
@@ -29,6 +29,11 @@ MAX_EXTRAPOLATED_SHARE = 0.125
 MAX_PEER_SHARE = 0.5  # of target_batch_size, what one other peer's record may account for
 REFUTED_SECONDS = 60.0  # how long a peer whose epoch claim a state download refuted has its lead ignored...
 MAX_REFUTED_SECONDS = 3600.0  # ...doubling with each refutation, up to this
+DOWNLOAD_EPOCH_LEAD = 4
+"""A downloaded state may be at most this many epochs beyond the swarm's consensus (the larger of the local and the
+progress tracker's epoch): a label of 10**12 would hang the scheduler loop (it replays every epoch) or end the run
+at max_epochs. A trainer further than this beyond the consensus is apart from the swarm (``apart_from_swarm``): no
+other peer would ever take its state."""
 REPORT_SHARE = 1 / 16
 """--sync_mode local: a trainer publishes its progress record once it has added this share of the round's target
 since its last record, not after every local step (``report_share``). Below MAX_EXTRAPOLATED_SHARE, so the others'
@@ -265,6 +270,38 @@ class LeanHiveProgressTracker(ProgressTracker):
         self._last_metadata = metadata
         return parsed
 
+    def apart_from_swarm(self) -> Optional[Tuple[int, FrozenSet[bytes]]]:
+        """(the consensus epoch, the peer IDs of the serving trainers at it) when this trainer is more than
+        ``DOWNLOAD_EPOCH_LEAD`` epochs beyond the swarm's consensus, else None; at the last fetch, no DHT access.
+
+        Trainers that started at the same moment each ran alone until they found one another's records: on a busy
+        machine one of three reached epoch 16 while the other two were at 1, and the two refused its state as
+        "beyond the swarm's consensus" (the lower median, 1) for good, so the swarm stayed split (CI: the health test
+        ran to its timeout). No peer of the consensus ever takes such a state, so the one apart takes theirs: every
+        peer reads the same median, and the swarm converges on it. One peer cannot steer this: its own record is one
+        vote of the median, and what it serves is checked like any state."""
+        consensus = self.consensus_epoch
+        if consensus is None or not self.votes_own_epoch:
+            return None
+        if self.local_progress.epoch <= consensus + DOWNLOAD_EPOCH_LEAD:
+            return None
+        own_key = self._local_public_key
+        donors = frozenset(
+            record.peer_id
+            for key, record in self._records.items()
+            if key != own_key
+            and not record.client_mode
+            and record.samples_per_second > 0
+            and abs(record.epoch - consensus) <= MAX_EPOCH_LEAD
+        )
+        return (consensus, donors) if donors else None
+
+    def reestimate(self) -> None:
+        """Estimate the swarm's progress again from the last fetched records (after this peer's epoch changed
+        outside a round: its own record there may be stale)."""
+        if self._last_metadata:
+            self.global_progress = self._parse_swarm_progress_data(self._last_metadata)
+
     def refute_claims_above(self, epoch: int) -> None:
         """A state download just ended at ``epoch``: the peers that claimed more than ``MAX_EPOCH_LEAD`` beyond it
         are not followed for ``REFUTED_SECONDS``, the records of serving peers that far ahead count no more until
@@ -288,7 +325,8 @@ class LeanHiveProgressTracker(ProgressTracker):
                 len(unserved),
             )
         self._unserved.update(unserved)
-        liars = [key for key, claim in self._claims.items() if claim > epoch + MAX_EPOCH_LEAD]
+        own_key = self._local_public_key  # its own old record, after rejoining the consensus, is no claim
+        liars = [key for key, claim in self._claims.items() if claim > epoch + MAX_EPOCH_LEAD and key != own_key]
         for key in liars:
             self._strikes[key] = self._strikes.get(key, 0) + 1
             # doubling: a peer that keeps claiming what no state has costs one download per hour at most
@@ -319,7 +357,10 @@ class LeanHiveProgressTracker(ProgressTracker):
         own_key = self._local_public_key
         num_peers = len(records)
         num_clients = sum(r.client_mode for r in records.values())
-        global_epoch = max([self.local_progress.epoch] + [r.epoch for r in records.values() if not r.client_mode])
+        # this peer's epoch is its local progress, not its record in the DHT: after rejoining the swarm's consensus
+        # (``apart_from_swarm``) that record names the later epoch it left, until its next report replaces it
+        others = [r.epoch for key, r in records.items() if not r.client_mode and key != own_key]
+        global_epoch = max([self.local_progress.epoch] + others)
 
         own_rate = self.performance_ema.samples_per_second
         # peers that report no throughput (aux peers, peers between epochs, this peer before its first step) do not
