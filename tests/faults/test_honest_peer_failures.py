@@ -416,10 +416,10 @@ def test_two_swarms_of_one_run_that_meet_train_on_as_one(tmp_path):
             bridge.shutdown()
 
 
-def test_a_trainer_a_few_epochs_ahead_is_not_apart():
+def test_a_trainer_a_few_epochs_ahead_or_beside_one_other_peer_is_not_apart():
     """A fast honest peer is often a few epochs ahead of a slower one's view: within ``DOWNLOAD_EPOCH_LEAD`` the
     others take its state (hivemind's catch-up), so it keeps its own; a serving peer that reports no throughput (an
-    anchoring aux) is nobody to take a state from."""
+    anchoring aux) is nobody to take a state from; and only a strict majority of the votes puts a peer apart."""
     import hivemind
 
     from peer.swarm.hivemind_seam import DOWNLOAD_EPOCH_LEAD, LeanHiveProgressTracker
@@ -439,6 +439,10 @@ def test_a_trainer_a_few_epochs_ahead_is_not_apart():
         assert tracker.consensus_epoch == 1 and tracker.apart_from_swarm() is None
         tracker._parse_swarm_progress_data({b"b": record(1), b"c": record(1)})
         assert tracker.apart_from_swarm() == (1, frozenset({b"p"}))
+        # one other record is one vote: beside it, this peer's own vote keeps it where it is (a hostile record in a
+        # pair would otherwise hand a lone honest trainer its state)
+        tracker._parse_swarm_progress_data({b"rogue": record(1)})
+        assert tracker.consensus_epoch == 1 and tracker.apart_from_swarm() is None
     finally:
         dht.shutdown()
 

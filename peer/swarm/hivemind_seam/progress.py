@@ -9,7 +9,7 @@ import math
 import statistics
 import threading
 import time
-from typing import Dict, FrozenSet, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.utils import get_dht_time
@@ -115,6 +115,7 @@ class LeanHiveProgressTracker(ProgressTracker):
         self._refuted: Dict[bytes, float] = {}  # subkey -> monotonic time until which its lead is ignored
         self._strikes: Dict[bytes, int] = {}  # subkey -> number of refuted claims
         self._claims: Dict[bytes, int] = {}  # subkey -> epoch it claims beyond the consensus, at the last fetch
+        self._others_votes: List[int] = []  # the other peers' votes in the consensus, at the last fetch
         self._last_metadata: Optional[dict] = None
         self._records: Dict[bytes, LocalTrainingProgress] = {}  # the plausible records at the last fetch
         self._unserved: Dict[bytes, float] = {}  # subkey -> time of its record that no served state backed
@@ -249,6 +250,7 @@ class LeanHiveProgressTracker(ProgressTracker):
         # its older epoch held a catching-up client's download bound below the trainer's state
         trainers = [r for r in serving if r.samples_per_second > 0]
         votes = [r.epoch for r in (trainers or serving)]
+        self._others_votes = list(votes)
         if self._in_sync and not self.client_mode and self.votes_own_epoch:
             votes.append(self.local_progress.epoch)
         consensus = statistics.median_low(votes) if votes else None
@@ -278,12 +280,17 @@ class LeanHiveProgressTracker(ProgressTracker):
         machine one of three reached epoch 16 while the other two were at 1, and the two refused its state as
         "beyond the swarm's consensus" (the lower median, 1) for good, so the swarm stayed split (CI: the health test
         ran to its timeout). No peer of the consensus ever takes such a state, so the one apart takes theirs: every
-        peer reads the same median, and the swarm converges on it. One peer cannot steer this: its own record is one
-        vote of the median, and what it serves is checked like any state."""
+        peer reads the same median, and the swarm converges on it.
+
+        Only a strict majority of the votes, this peer's own included, puts it apart (the upper median is that far
+        behind): a hostile record is one vote, so beside a lone honest trainer (a pair, where the lower median is
+        the hostile vote) it cannot make that trainer take its state. Two honest peers far apart stay so; with a
+        third, they meet. What a donor serves is checked like any state."""
         consensus = self.consensus_epoch
-        if consensus is None or not self.votes_own_epoch:
+        if consensus is None or not self.votes_own_epoch or not self._others_votes:
             return None
-        if self.local_progress.epoch <= consensus + DOWNLOAD_EPOCH_LEAD:
+        own = self.local_progress.epoch
+        if statistics.median_high(self._others_votes + [own]) + DOWNLOAD_EPOCH_LEAD >= own:
             return None
         own_key = self._local_public_key
         donors = frozenset(
