@@ -10,6 +10,10 @@ records properly so that the signature and schema validators accept them):
 - metrics records claiming ``epoch=10**12``, and one at the current epoch whose ``time`` is a week ahead;
 - plain values with an expiration years ahead under the state-sharing and matchmaking keys (key squatting).
 
+With ``--behind`` it writes, instead, one progress record far behind the swarm (epoch 0) with a plausible
+throughput: beside a lone honest trainer it is half the votes, and must not make that trainer take a state of its
+choice (``LeanHiveProgressTracker.apart_from_swarm``).
+
 With ``--health`` it writes, instead, metrics records at the swarm's epoch whose round health is hostile: under
 one key, totals that grow by ten million rounds and a petabyte each round (within the schema's bounds for a while,
 never within what the elapsed time allows); under another, totals past the schema's bounds.
@@ -93,9 +97,12 @@ def health_value(epoch: int, when: float, round_index: int, out_of_bounds: bool)
     return {**metrics_value(epoch, when), "samples_total": 64 * (round_index + 1), "health": health}
 
 
-def one_round(dht: hivemind.DHT, run_id: str, keys: list, squat: bool, health_round=None) -> int:
+def one_round(dht: hivemind.DHT, run_id: str, keys: list, squat: bool, health_round=None, behind=False) -> int:
     now = get_dht_time()
     epoch = honest_epoch(dht, run_id)
+    if behind:
+        progress, metrics = [(keys[0], progress_value(dht, 0, 50.0, now), now + 60)], []
+        return _store_everywhere(dht, _signed_records(run_id, progress, metrics, now))
     progress = [
         (keys[0], progress_value(dht, HUGE_EPOCH, 1.0, now), now + YEARS),
         (keys[1], progress_value(dht, HUGE_EPOCH, 1.0, now), now + 60),
@@ -112,25 +119,35 @@ def one_round(dht: hivemind.DHT, run_id: str, keys: list, squat: bool, health_ro
             (keys[0], health_value(epoch, now, health_round, out_of_bounds=False), now + 300),
             (keys[1], health_value(epoch, now, health_round, out_of_bounds=True), now + 300),
         ]
-    # the signature covers the expiration: craft each record with its own lifetime, then sign it
-    records = [signed(craft(progress_key(run_id), owner_marker(k), v, ttl=e - now), k) for k, v, e in progress]
-    records += [signed(craft(metrics_key(run_id), owner_marker(k), v, ttl=e - now), k) for k, v, e in metrics]
+    records = _signed_records(run_id, progress, metrics, now)
     if squat:
         for prefix in averager_prefixes(run_id):
             for key in (f"{prefix}.all_averagers", f"{prefix}.0b"):
                 records.append(craft(key, None, {"squatted": True}, ttl=YEARS))
-    peers = dht.run_coroutine(routing_table_peers)
+    accepted = _store_everywhere(dht, records)
+    if squat:  # plain values, also kept by the rogue's own node (it answers gets for the key)
+        for prefix in averager_prefixes(run_id):
+            for key in (f"{prefix}.all_averagers", f"{prefix}.0b"):
+                dht.store(key, {"squatted": True}, expiration_time=now + YEARS)
+    return accepted
+
+
+def _signed_records(run_id: str, progress: list, metrics: list, now: float) -> list:
+    # the signature covers the expiration: craft each record with its own lifetime, then sign it
+    records = [signed(craft(progress_key(run_id), owner_marker(k), v, ttl=e - now), k) for k, v, e in progress]
+    records += [signed(craft(metrics_key(run_id), owner_marker(k), v, ttl=e - now), k) for k, v, e in metrics]
+    return records
+
+
+def _store_everywhere(dht: hivemind.DHT, records: list) -> int:
+    """Store ``records`` straight at every peer in the routing table; the number of stores they accepted."""
     accepted = 0
-    for peer in peers:
+    for peer in dht.run_coroutine(routing_table_peers):
         for record in records:
             try:
                 accepted += bool(raw_store(dht, peer, record, timeout=10))
             except Exception as e:  # noqa: BLE001 - a peer that hangs up on us is fine
                 logger.debug("store to %s failed: %r", peer, e)
-    if squat:  # plain values, also kept by the rogue's own node (it answers gets for the key)
-        for prefix in averager_prefixes(run_id):
-            for key in (f"{prefix}.all_averagers", f"{prefix}.0b"):
-                dht.store(key, {"squatted": True}, expiration_time=now + YEARS)
     return accepted
 
 
@@ -141,6 +158,7 @@ def main() -> None:
     parser.add_argument("--period", type=float, default=2.0)
     parser.add_argument("--no_squat", action="store_true", help="only write hostile signed records")
     parser.add_argument("--health", action="store_true", help="write metrics records with hostile round health only")
+    parser.add_argument("--behind", action="store_true", help="write one progress record at epoch 0 only")
     parser.add_argument("--events_file", default=None)
     parser.add_argument(
         "--start_after",
@@ -167,8 +185,9 @@ def main() -> None:
             dht,
             args.run_id,
             keys,
-            squat=not (args.no_squat or args.health),
+            squat=not (args.no_squat or args.health or args.behind),
             health_round=rounds if args.health else None,
+            behind=args.behind,
         )
         rounds += 1
         logger.info("round done: %d records accepted by honest peers", accepted)
