@@ -278,10 +278,11 @@ class RejoinWhenApart:
     """A trainer beyond the swarm's consensus by more than a download may carry takes the consensus state (see
     ``LeanHiveProgressTracker.apart_from_swarm``), confirmed on the records read fresh from the DHT (the tracker's
     may be an epoch's fetch old, and a fast peer is often a few epochs ahead of a slow one); tried at most once per
-    ``pause`` seconds (a donor that does not answer is not asked before every step)."""
+    ``pause`` seconds (a donor that does not answer is not asked before every step), and read fresh at most once per
+    ``recheck`` seconds (a DHT read is not taken before every step while the tracker's view is stale)."""
 
-    def __init__(self, pause: float = 30.0):
-        self.pause = pause
+    def __init__(self, pause: float = 30.0, recheck: float = 5.0):
+        self.pause, self.recheck = pause, recheck
         self._next_try = 0.0
 
     def __call__(self, optimizer: LeanHiveOptimizer) -> bool:
@@ -290,6 +291,7 @@ class RejoinWhenApart:
         if apart is None or time.monotonic() < self._next_try:
             return False
         consensus, donors = apart
+        self._next_try = time.monotonic() + self.recheck
         fresh = _read_swarm_epoch(optimizer)
         if fresh is None or optimizer.local_epoch <= fresh + DOWNLOAD_EPOCH_LEAD:
             return False
