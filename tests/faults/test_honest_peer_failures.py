@@ -419,10 +419,12 @@ def test_two_swarms_of_one_run_that_meet_train_on_as_one(tmp_path):
 def test_a_trainer_a_few_epochs_ahead_or_beside_one_other_peer_is_not_apart():
     """A fast honest peer is often a few epochs ahead of a slower one's view: within ``DOWNLOAD_EPOCH_LEAD`` the
     others take its state (hivemind's catch-up), so it keeps its own; a serving peer that reports no throughput (an
-    anchoring aux) is nobody to take a state from; and only a strict majority of the votes puts a peer apart."""
+    anchoring aux) is nobody to take a state from; only a strict majority of the votes puts a peer apart, and only
+    live trainers vote."""
     import hivemind
 
     from peer.swarm.hivemind_seam import DOWNLOAD_EPOCH_LEAD, LeanHiveProgressTracker
+    from peer.swarm.hivemind_seam.progress import LIVE_RECORD_SECONDS
 
     def record(epoch: int, samples_per_second: float = 50.0):
         return _progress_record(epoch=epoch, samples=0, samples_per_second=samples_per_second, client_mode=False)
@@ -442,6 +444,12 @@ def test_a_trainer_a_few_epochs_ahead_or_beside_one_other_peer_is_not_apart():
         # one other record is one vote: beside it, this peer's own vote keeps it where it is (a hostile record in a
         # pair would otherwise hand a lone honest trainer its state)
         tracker._parse_swarm_progress_data({b"rogue": record(1)})
+        assert tracker.consensus_epoch == 1 and tracker.apart_from_swarm() is None
+        # crashed trainers' records outlive them by a minute: they are no swarm to rejoin (fault scenario e)
+        dead = {key: record(1) for key in (b"b", b"c")}
+        for value in dead.values():
+            value.value["time"] -= LIVE_RECORD_SECONDS + 1
+        tracker._parse_swarm_progress_data(dead)
         assert tracker.consensus_epoch == 1 and tracker.apart_from_swarm() is None
     finally:
         dht.shutdown()

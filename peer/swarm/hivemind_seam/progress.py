@@ -9,7 +9,7 @@ import math
 import statistics
 import threading
 import time
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Dict, FrozenSet, Optional, Tuple
 
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.utils import get_dht_time
@@ -34,6 +34,9 @@ DOWNLOAD_EPOCH_LEAD = 4
 progress tracker's epoch): a label of 10**12 would hang the scheduler loop (it replays every epoch) or end the run
 at max_epochs. A trainer further than this beyond the consensus is apart from the swarm (``apart_from_swarm``): no
 other peer would ever take its state."""
+LIVE_RECORD_SECONDS = 20.0
+"""A trainer's record renewed within this many seconds is a live trainer's (it reports after every local step; in
+local mode after every ``REPORT_SHARE`` of a round): only those put a peer apart from the swarm."""
 REPORT_SHARE = 1 / 16
 """--sync_mode local: a trainer publishes its progress record once it has added this share of the round's target
 since its last record, not after every local step (``report_share``). Below MAX_EXTRAPOLATED_SHARE, so the others'
@@ -115,7 +118,6 @@ class LeanHiveProgressTracker(ProgressTracker):
         self._refuted: Dict[bytes, float] = {}  # subkey -> monotonic time until which its lead is ignored
         self._strikes: Dict[bytes, int] = {}  # subkey -> number of refuted claims
         self._claims: Dict[bytes, int] = {}  # subkey -> epoch it claims beyond the consensus, at the last fetch
-        self._others_votes: List[int] = []  # the other peers' votes in the consensus, at the last fetch
         self._last_metadata: Optional[dict] = None
         self._records: Dict[bytes, LocalTrainingProgress] = {}  # the plausible records at the last fetch
         self._unserved: Dict[bytes, float] = {}  # subkey -> time of its record that no served state backed
@@ -250,7 +252,6 @@ class LeanHiveProgressTracker(ProgressTracker):
         # its older epoch held a catching-up client's download bound below the trainer's state
         trainers = [r for r in serving if r.samples_per_second > 0]
         votes = [r.epoch for r in (trainers or serving)]
-        self._others_votes = list(votes)
         if self._in_sync and not self.client_mode and self.votes_own_epoch:
             votes.append(self.local_progress.epoch)
         consensus = statistics.median_low(votes) if votes else None
@@ -285,22 +286,25 @@ class LeanHiveProgressTracker(ProgressTracker):
         Only a strict majority of the votes, this peer's own included, puts it apart (the upper median is that far
         behind): a hostile record is one vote, so beside a lone honest trainer (a pair, where the lower median is
         the hostile vote) it cannot make that trainer take its state. Two honest peers far apart stay so; with a
-        third, they meet. What a donor serves is checked like any state."""
-        consensus = self.consensus_epoch
-        if consensus is None or not self.votes_own_epoch or not self._others_votes:
+        third, they meet. Only live trainers vote here (a record renewed within ``LIVE_RECORD_SECONDS``): a crashed
+        trainer's record outlives it by a minute, and new trainers that continued from an aux checkpoint took
+        their dead predecessors for the swarm (fault scenario e). What a donor serves is checked like any state."""
+        if not self.votes_own_epoch:
             return None
-        own = self.local_progress.epoch
-        if statistics.median_high(self._others_votes + [own]) + DOWNLOAD_EPOCH_LEAD >= own:
-            return None
-        own_key = self._local_public_key
-        donors = frozenset(
-            record.peer_id
+        own_key, own, now = self._local_public_key, self.local_progress.epoch, get_dht_time()
+        live = [
+            record
             for key, record in self._records.items()
             if key != own_key
             and not record.client_mode
             and record.samples_per_second > 0
-            and abs(record.epoch - consensus) <= MAX_EPOCH_LEAD
-        )
+            and now - record.time <= LIVE_RECORD_SECONDS
+        ]
+        votes = [record.epoch for record in live] + [own]
+        if not live or statistics.median_high(votes) + DOWNLOAD_EPOCH_LEAD >= own:
+            return None
+        consensus = statistics.median_low(votes)
+        donors = frozenset(record.peer_id for record in live if abs(record.epoch - consensus) <= MAX_EPOCH_LEAD)
         return (consensus, donors) if donors else None
 
     def reestimate(self) -> None:
