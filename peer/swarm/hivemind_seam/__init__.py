@@ -190,8 +190,8 @@ Progress tracker (``LeanHiveProgressTracker(ProgressTracker)``)
   private ``_local_public_key`` (its own record) and ``metadata_expiration``/``performance_ema``.
 - ``read_consensus_epoch``: the same median consensus read fresh from the DHT (a long download re-reads it; the
   re-sync after an isolation waits on it).
-- ``apart_from_swarm``: a trainer more than ``DOWNLOAD_EPOCH_LEAD`` beyond a strict majority of the votes (it
-  trained apart: no peer of the consensus takes its state) and the peers at the consensus, whose state it then takes
+- ``apart_from_swarm``: a trainer more than ``DOWNLOAD_EPOCH_LEAD`` beyond a strict majority of the live trainers'
+  votes (it trained apart: no peer of the consensus takes its state) and the peers there, whose state it then takes
   (``LeanHiveOptimizer.load_state_from_peers(rejoin_epoch=...)``; the state averager's scheduler steps back with
   it, writing ``torch``'s ``LambdaLR._step_count``, which hivemind's ``_update_scheduler`` reads). The swarm's
   epoch is this peer's local progress, not its own record in the DHT (stale after such a rejoin).
