@@ -99,10 +99,10 @@ def health_value(epoch: int, when: float, round_index: int, out_of_bounds: bool)
 
 def one_round(dht: hivemind.DHT, run_id: str, keys: list, squat: bool, health_round=None, behind=False) -> int:
     now = get_dht_time()
-    epoch = honest_epoch(dht, run_id)
-    if behind:
+    if behind:  # needs no honest epoch: skip that DHT read
         progress, metrics = [(keys[0], progress_value(dht, 0, 50.0, now), now + 60)], []
         return _store_everywhere(dht, _signed_records(run_id, progress, metrics, now))
+    epoch = honest_epoch(dht, run_id)
     progress = [
         (keys[0], progress_value(dht, HUGE_EPOCH, 1.0, now), now + YEARS),
         (keys[1], progress_value(dht, HUGE_EPOCH, 1.0, now), now + 60),

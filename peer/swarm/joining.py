@@ -287,8 +287,10 @@ class RejoinWhenApart:
 
     def __call__(self, optimizer: LeanHiveOptimizer) -> bool:
         """True if this peer was apart and took the consensus state now."""
+        if time.monotonic() < self._next_try:
+            return False
         apart = getattr(optimizer.tracker, "apart_from_swarm", lambda: None)()
-        if apart is None or time.monotonic() < self._next_try:
+        if apart is None:
             return False
         consensus, donors = apart
         self._next_try = time.monotonic() + self.recheck

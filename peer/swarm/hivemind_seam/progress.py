@@ -351,8 +351,8 @@ class LeanHiveProgressTracker(ProgressTracker):
                 epoch,
                 seconds,
             )
-        if (liars or unserved) and self._last_metadata:
-            self.global_progress = self._parse_swarm_progress_data(self._last_metadata)
+        if liars or unserved:
+            self.reestimate()
         if unserved:
             # look again soon: a peer that was only busy renews its record with its next step, and until then
             # this one must not take an epoch the others are past for its own
