@@ -93,3 +93,55 @@ def test_a_trainer_that_comes_after_the_others_took_its_round_takes_its_result_w
         assert took < collab.averaging_timeout / 2, took  # it did not wait out its matchmaking window
         for got, want in zip(late_model.parameters(), first_model.parameters()):
             torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_trainer_whose_download_ended_after_the_round_of_its_epoch_takes_that_round_instead_of_downloading_again():
+    """Sync mode, three trainers: the third downloads the state of epoch 0, and the other two then take round 0. Its
+    state is one epoch behind theirs. It takes round 0's result from them, the same step, instead of downloading the
+    whole state again (``LeanHiveOptimizer._takes_round_of_downloaded_epoch``): hivemind's once-per-epoch strict
+    check downloaded again, and a home joiner whose downloads took about an epoch each downloaded five times in a
+    row."""
+    collab = CollaborationArguments(
+        target_batch_size=2 * LATE_BATCH,
+        matchmaking_time=1.0,
+        averaging_timeout=20.0,
+        compression="none",
+        average_state_every=1000,
+    )
+    with _sync_trainers(collab, "downloaded_late", 3) as trainers:
+        (first_model, first), (second_model, second), (late_model, late) = trainers
+        for _, optimizer in trainers:
+            assert optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout=30)
+        assert late.load_state_checked() and late.local_epoch == 0
+        loads = late.state_loads
+
+        def end_epoch(model, optimizer, seed):
+            _backward(model, seed)
+            optimizer.step(batch_size=LATE_BATCH)
+            deadline = time.monotonic() + 60
+            while optimizer.local_epoch == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+                optimizer.step(batch_size=0)
+
+        threads = [
+            threading.Thread(target=end_epoch, args=(first_model, first, 0)),
+            threading.Thread(target=end_epoch, args=(second_model, second, 1)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=90)
+        assert first.local_epoch == second.local_epoch == 1 and not first.missed_round
+        deadline = time.monotonic() + 30
+        while late.tracker.global_epoch < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert late.tracker.global_epoch == 1 and late.local_epoch == 0
+
+        _backward(late_model, seed=2)
+        late.step(batch_size=1)
+        assert late.state_loads == loads, "it downloaded the whole state again"
+        assert late.local_epoch == 1 and late.repaired_rounds == 1 and not late.missed_round
+        for got, want in zip(late_model.parameters(), first_model.parameters()):
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=0)

@@ -161,6 +161,9 @@ Optimizer (``LeanHiveOptimizer(hivemind.Optimizer)``)
   state does not reach (``LeanHiveProgressTracker.refute_claims_above``), and without the gradient averager's
   download (hivemind downloaded that state and discarded it). Uses the private ``scheduled_grads`` /
   ``_tag_along_with_zero_weight``.
+- ``_should_load_state_from_peers`` (private): in sync mode a trainer whose downloaded state is one epoch behind the
+  swarm (the others ended that epoch's round during the download) does not download again but takes that round's
+  result from them (``_takes_round_of_downloaded_epoch``), and the download does not relabel its state one epoch on.
 
 Phase observers (``timing``)
 - ``observe_phases``: the public way to time hivemind's phases (the swarm benchmark's all-reduce and gradient-wait
@@ -413,6 +416,7 @@ OVERRIDDEN_METHODS = [
         "(self, grad_scaler: 'Optional[GradScaler]') -> 'bool'",
     ),
     (hivemind.Optimizer, "load_state_from_peers", "(self, **kwargs)"),
+    (hivemind.Optimizer, "_should_load_state_from_peers", "(self) -> 'bool'"),
     (
         hivemind.Optimizer,
         "_average_gradients_and_load_into_optimizer",

@@ -1282,6 +1282,30 @@ class LeanHiveOptimizer(hivemind.Optimizer):
     def _just_downloaded(self) -> bool:
         return self._downloaded_at is not None and self.local_epoch <= self._downloaded_at + 1
 
+    def _should_load_state_from_peers(self) -> bool:
+        if self._takes_round_of_downloaded_epoch():
+            return False
+        return super()._should_load_state_from_peers()
+
+    def _takes_round_of_downloaded_epoch(self) -> bool:
+        """Sync mode: a trainer whose state of epoch E arrived just as the others ended round E takes that round's
+        result from them (it comes late for the round: ``_leave_round_taken_without_this_peer``), one optimizer step
+        like theirs, instead of downloading the whole state again. hivemind asks for its exact epoch once per step
+        and downloads again; a home joiner's download (a few seconds, with the wait for the donors' snapshots) took
+        about as long as an epoch of the tiny preset, so it downloaded five times in a row, one local step each, and
+        missed the first 8 rounds after it joined (home testbed b). If the round's result cannot be had, the round
+        fails as a missed one and the trainer downloads then (peer.strategies). Not while its tracker lists no other
+        peer (right after a download it may not list the donors yet): hivemind would begin no round and step with
+        this peer's gradients alone, which set two home joiners 0.018 apart from the swarm for the rest of a run."""
+        return (
+            not self.auxiliary
+            and not self.local_updates
+            and getattr(self.grad_averager, "shares_round_results", False)
+            and self._downloaded_at == self.local_epoch
+            and self.local_epoch == self.tracker.global_epoch - 1
+            and self.tracker.global_progress.num_peers > 1
+        )
+
     def __del__(self):
         try:  # see _PolicyAveraging.__del__
             super().__del__()
@@ -1540,10 +1564,15 @@ class LeanHiveOptimizer(hivemind.Optimizer):
                     # one per step)
                     self.tracker.refute_claims_above(self.local_epoch)
 
-            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch and not self.local_updates:
+            if (
+                self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch
+                and not self.local_updates
+                and not (self.state_averager.state_arrived() and self._takes_round_of_downloaded_epoch())
+            ):
                 # (not in local mode: the label would name a round these parameters have not taken; its next round
                 # is dropped at once instead, _skip_round_already_over, and the round agreement downloads the state
-                # of the peers that took it)
+                # of the peers that took it. Nor where this peer takes that round's result instead:
+                # _takes_round_of_downloaded_epoch)
                 logger.log(self.status_loglevel, f"Catching up with collaboration step {self.tracker.global_epoch}")
                 self.state_averager.local_epoch = self.tracker.global_epoch
 
