@@ -28,6 +28,7 @@ class SwarmReplica:
         self.model = model
         self.optimizer = optimizer  # its state averager downloads by the run's StateDownloadSettings
         self.held_epoch: Optional[int] = None  # epoch of the parameters we hold; None: nothing loaded yet
+        self._downloaded = False  # the held state came from a trainer, labelled with its true epoch
         self._lock = threading.RLock()  # downloads, restores, captures and assist steps never overlap
         self._set_sharing(False)
 
@@ -62,6 +63,7 @@ class SwarmReplica:
             if not averager.state_arrived():
                 return None
             epoch = averager.local_epoch
+            self._downloaded = True
             self._adopt_epoch(epoch)
             tracker = self.optimizer.tracker
             if isinstance(tracker, LeanHiveProgressTracker):
@@ -79,6 +81,7 @@ class SwarmReplica:
                 averager.scheduler.load_state_dict(state.scheduler_state)
             averager.parameters_replaced(state.epoch)
             sync_offloaded_parameters(self.optimizer)
+            self._downloaded = False
             self._adopt_epoch(state.epoch)
         logger.info("Restored the swarm state of epoch %d; offering it to joining trainers", state.epoch)
 
@@ -102,15 +105,38 @@ class SwarmReplica:
         """One auxiliary step: join the all-reduce round that is due, contributing bandwidth but no data. When the
         round's result arrived, the optimizer took the trainers' step with it (``LeanHiveOptimizer``): a state that
         was the swarm's stays the swarm's at the new epoch. Otherwise hivemind advanced the epoch label without
-        touching the parameters, and the state is no longer offered."""
+        touching the parameters, and the state is no longer offered.
+
+        A downloaded state that took the trainers' round of another epoch is not the swarm's either: the donor served
+        the state of epoch E just before its round E, that round ran while this aux downloaded, and the aux then took
+        round E + 1 with it (hivemind begins the round of a peer behind at once), a state without round E's step.
+        On the home testbed (b) such an aux served that state, labelled one epoch behind, for the rest of the run,
+        and every joiner found it different from the trainers' ("differs from the state of as many other donor(s)").
+        It is no longer offered; the next refresh downloads the state again."""
         with self._lock:
             averager = self.optimizer.state_averager
-            fresh = self.fresh
+            fresh, epoch = self.fresh, self.optimizer.local_epoch
             steps = getattr(averager, "auxiliary_steps", 0)
             self.optimizer.step()
             if fresh and getattr(averager, "auxiliary_steps", 0) != steps:
-                self.held_epoch = self.optimizer.local_epoch
+                label = self._round_label()
+                if self._downloaded and label is not None and label != epoch:
+                    logger.info(
+                        "Took the trainers' round %d with the state of epoch %d (their round %d ran while this aux "
+                        "downloaded): not offering it until the next download",
+                        label,
+                        epoch,
+                        epoch,
+                    )
+                else:
+                    self.held_epoch = self.optimizer.local_epoch
             self._update_sharing()
+
+    def _round_label(self) -> Optional[int]:
+        """The epoch the trainers named the round this aux just took by (``result_epoch``, round_result.py), or None
+        where the gradient averager does not say."""
+        held = getattr(getattr(self.optimizer, "grad_averager", None), "result_epoch", None)
+        return held.value if held is not None and held.value >= 0 else None
 
     def anchor(self) -> bool:
         """A swarm of client-mode trainers only: nobody else can serve the state, so this aux offers its own at its
@@ -119,6 +145,7 @@ class SwarmReplica:
         progress, which the clients' epoch consensus needs. True if it (re)adopted an epoch."""
         with self._lock:
             epoch = self.optimizer.local_epoch
+            self._downloaded = False  # its own state is the swarm's now, whatever epoch the clients name
             if self.held_epoch == epoch:
                 return False
             self._adopt_epoch(epoch)
@@ -134,6 +161,7 @@ class SwarmReplica:
                 return False
             self.optimizer.state_averager.parameters_replaced(epoch)
             sync_offloaded_parameters(self.optimizer)  # the schedule follows the epoch
+            self._downloaded = False
             self._adopt_epoch(epoch)
             return True
 

@@ -56,9 +56,10 @@ def loopback_optimizers(
     optim: OptimizerArguments,
     run_id: str,
     batch_size_per_step: int,
+    auxiliary: int = 0,
 ) -> Iterator[List]:
     """One real optimizer per model, each with its own DHT (and hivemind's averager processes) on 127.0.0.1, the
-    first DHT the others' initial peer; shut down on exit."""
+    first DHT the others' initial peer; the last ``auxiliary`` are an aux peer's optimizers; shut down on exit."""
     import hivemind
 
     from benchmarks.testbed.processes import share_tensors_by_file_descriptor
@@ -72,17 +73,19 @@ def loopback_optimizers(
     ]
     optimizers = []
     try:
-        for model, dht in zip(models, dhts):
+        for index, (model, dht) in enumerate(zip(models, dhts)):
+            aux = index >= len(models) - auxiliary
             optimizers.append(
                 build_optimizer(
                     model=model,
                     dht=dht,
                     run_id=run_id,
                     signing_key=hivemind.utils.crypto.RSAPrivateKey(),
-                    batch_size_per_step=batch_size_per_step,
+                    batch_size_per_step=None if aux else batch_size_per_step,
                     collab=collab,
                     optim=optim,
                     client_mode=False,
+                    auxiliary=aux,
                 )
             )
         yield optimizers
