@@ -40,6 +40,30 @@ def _backward(model: torch.nn.Module, seed: int) -> None:
     torch.nn.functional.mse_loss(model(inputs), targets).backward()
 
 
+def _end_epoch_zero(model, optimizer, seed: int) -> None:
+    _backward(model, seed)
+    optimizer.step(batch_size=LATE_BATCH)
+    deadline = time.monotonic() + 60
+    while optimizer.local_epoch == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        optimizer.step(batch_size=0)
+
+
+def _two_end_epoch_zero_without(late, *two) -> None:
+    """Both trainers of ``two`` (``(model, optimizer)``) end epoch 0 and average it; ``late`` then sees the swarm at
+    epoch 1 while it is still at epoch 0."""
+    threads = [threading.Thread(target=_end_epoch_zero, args=(m, o, seed)) for seed, (m, o) in enumerate(two)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert [o.local_epoch for _, o in two] == [1, 1] and not two[0][1].missed_round
+    deadline = time.monotonic() + 30
+    while late.tracker.global_epoch < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert late.tracker.global_epoch == 1 and late.local_epoch == 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_trainer_that_comes_after_the_others_took_its_round_takes_its_result_without_waiting_out_matchmaking():
@@ -64,27 +88,7 @@ def test_a_trainer_that_comes_after_the_others_took_its_round_takes_its_result_w
         _backward(late_model, seed=2)
         late.step(batch_size=1)
 
-        def end_epoch(model, optimizer, seed):
-            _backward(model, seed)
-            optimizer.step(batch_size=LATE_BATCH)
-            deadline = time.monotonic() + 60
-            while optimizer.local_epoch == 0 and time.monotonic() < deadline:
-                time.sleep(0.1)
-                optimizer.step(batch_size=0)
-
-        threads = [
-            threading.Thread(target=end_epoch, args=(first_model, first, 0)),
-            threading.Thread(target=end_epoch, args=(second_model, second, 1)),
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=90)
-        assert first.local_epoch == second.local_epoch == 1 and not first.missed_round
-        deadline = time.monotonic() + 30
-        while late.tracker.global_epoch < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert late.tracker.global_epoch == 1 and late.local_epoch == 0
+        _two_end_epoch_zero_without(late, (first_model, first), (second_model, second))
 
         began = time.monotonic()
         late.step(batch_size=0)  # its epoch's end: the others' round is over
@@ -117,27 +121,7 @@ def test_a_trainer_whose_download_ended_after_the_round_of_its_epoch_takes_that_
         assert late.load_state_checked() and late.local_epoch == 0
         loads = late.state_loads
 
-        def end_epoch(model, optimizer, seed):
-            _backward(model, seed)
-            optimizer.step(batch_size=LATE_BATCH)
-            deadline = time.monotonic() + 60
-            while optimizer.local_epoch == 0 and time.monotonic() < deadline:
-                time.sleep(0.1)
-                optimizer.step(batch_size=0)
-
-        threads = [
-            threading.Thread(target=end_epoch, args=(first_model, first, 0)),
-            threading.Thread(target=end_epoch, args=(second_model, second, 1)),
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=90)
-        assert first.local_epoch == second.local_epoch == 1 and not first.missed_round
-        deadline = time.monotonic() + 30
-        while late.tracker.global_epoch < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert late.tracker.global_epoch == 1 and late.local_epoch == 0
+        _two_end_epoch_zero_without(late, (first_model, first), (second_model, second))
 
         _backward(late_model, seed=2)
         late.step(batch_size=1)
