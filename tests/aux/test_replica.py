@@ -11,35 +11,9 @@ import torch
 
 from aux_monitor.replica import SwarmReplica
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
-from tests.support.optimizers import loopback_optimizers
+from tests.support.optimizers import end_epoch_together, loopback_optimizers, seeded_mlp
 
 BATCH = 8
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
-
-
-def _end_epoch(model, optimizer, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    inputs, targets = torch.randn(BATCH, 16, generator=generator), torch.randn(BATCH, 4, generator=generator)
-    torch.nn.functional.mse_loss(model(inputs), targets).backward()
-    epoch = optimizer.local_epoch
-    optimizer.step(batch_size=BATCH)
-    deadline = time.monotonic() + 60
-    while optimizer.local_epoch == epoch and time.monotonic() < deadline:
-        time.sleep(0.1)
-        optimizer.step(batch_size=0)
-    optimizer.zero_grad()
-
-
-def _trainers_end_epoch(trainers) -> None:
-    threads = [threading.Thread(target=_end_epoch, args=(m, o, seed)) for seed, (m, o) in enumerate(trainers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=90)
 
 
 @pytest.mark.slow
@@ -52,7 +26,7 @@ def test_an_aux_whose_download_missed_the_trainers_round_does_not_offer_the_stat
         target_batch_size=2 * BATCH, matchmaking_time=1.0, averaging_timeout=20.0, compression="none"
     )
     optim = OptimizerArguments(learning_rate=1e-2, warmup_steps=0, total_steps=100, lr_schedule="constant")
-    models = [_model() for _ in range(3)]
+    models = [seeded_mlp() for _ in range(3)]
     with loopback_optimizers(
         models, collab=collab, optim=optim, run_id="replica_late", batch_size_per_step=BATCH, auxiliary=1
     ) as optimizers:
@@ -62,7 +36,7 @@ def test_an_aux_whose_download_missed_the_trainers_round_does_not_offer_the_stat
             assert optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout=30)
         assert replica.download() == 0 and replica.fresh
 
-        _trainers_end_epoch(trainers)  # round 0, without the aux
+        end_epoch_together(trainers, BATCH)  # round 0, without the aux
         assert [o.local_epoch for _, o in trainers] == [1, 1]
 
         assisting = threading.Event()
@@ -77,7 +51,7 @@ def test_an_aux_whose_download_missed_the_trainers_round_does_not_offer_the_stat
         aux_thread = threading.Thread(target=assist)
         aux_thread.start()
         assert assisting.wait(timeout=10)
-        _trainers_end_epoch(trainers)  # round 1, with the aux
+        end_epoch_together(trainers, BATCH)  # round 1, with the aux
         aux_thread.join(timeout=90)
         assert [o.local_epoch for _, o in trainers] == [2, 2]
         assert replica.optimizer.local_epoch == 1

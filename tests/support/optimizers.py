@@ -4,6 +4,8 @@ on a DHT of 127.0.0.1 (test_optimizer_state.py, the fault tests)."""
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from typing import Iterator, List, Optional, Sequence
 
 import torch
@@ -94,3 +96,41 @@ def loopback_optimizers(
             optimizer.shutdown()
         for dht in reversed(dhts):
             dht.shutdown()
+
+
+def seeded_mlp() -> torch.nn.Module:
+    """A small model (16 inputs, 4 outputs) with the same initial parameters at every call, as --init_seed gives."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+
+
+def backward_on(model: torch.nn.Module, seed: int, batch: int) -> None:
+    """One backward pass of ``seeded_mlp`` on ``batch`` random samples drawn from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs, targets = torch.randn(batch, 16, generator=generator), torch.randn(batch, 4, generator=generator)
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+
+
+def end_epoch(model: torch.nn.Module, optimizer, seed: int, batch: int) -> None:
+    """A trainer's last step of its epoch (``batch`` samples), then empty steps until the swarm's round moved its
+    epoch on (at most 60 s)."""
+    backward_on(model, seed, batch)
+    epoch = optimizer.local_epoch
+    optimizer.step(batch_size=batch)
+    deadline = time.monotonic() + 60
+    while optimizer.local_epoch == epoch and time.monotonic() < deadline:
+        time.sleep(0.1)
+        optimizer.step(batch_size=0)
+    optimizer.zero_grad()
+
+
+def end_epoch_together(trainers: Sequence, batch: int) -> None:
+    """Every ``(model, optimizer)`` of ``trainers`` ends its epoch at once (seeds 0, 1, ...), each in its thread."""
+    threads = [
+        threading.Thread(target=end_epoch, args=(model, optimizer, seed, batch))
+        for seed, (model, optimizer) in enumerate(trainers)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)

@@ -5,7 +5,6 @@ round_result.py's probe): real hivemind optimizers, each with its own DHT and av
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from typing import Iterator
 
@@ -13,17 +12,14 @@ import pytest
 import torch
 
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
-from tests.support.optimizers import loopback_optimizers
+from tests.support.optimizers import backward_on, end_epoch_together, loopback_optimizers, seeded_mlp
 
 
 @contextlib.contextmanager
 def _sync_trainers(collab: CollaborationArguments, run_id: str, count: int) -> Iterator[list]:
     """``count`` real sync-mode optimizers on 127.0.0.1 with the same initial parameters, as --init_seed gives:
     ``[(model, optimizer), ...]``."""
-    models = []
-    for _ in range(count):
-        torch.manual_seed(0)
-        models.append(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)))
+    models = [seeded_mlp() for _ in range(count)]
     optim = OptimizerArguments(learning_rate=1e-2, warmup_steps=0, total_steps=100, lr_schedule="constant")
     with loopback_optimizers(
         models, collab=collab, optim=optim, run_id=run_id, batch_size_per_step=LATE_BATCH
@@ -34,29 +30,10 @@ def _sync_trainers(collab: CollaborationArguments, run_id: str, count: int) -> I
 LATE_BATCH = 8
 
 
-def _backward(model: torch.nn.Module, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    inputs, targets = torch.randn(LATE_BATCH, 16, generator=generator), torch.randn(LATE_BATCH, 4, generator=generator)
-    torch.nn.functional.mse_loss(model(inputs), targets).backward()
-
-
-def _end_epoch_zero(model, optimizer, seed: int) -> None:
-    _backward(model, seed)
-    optimizer.step(batch_size=LATE_BATCH)
-    deadline = time.monotonic() + 60
-    while optimizer.local_epoch == 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-        optimizer.step(batch_size=0)
-
-
 def _two_end_epoch_zero_without(late, *two) -> None:
     """Both trainers of ``two`` (``(model, optimizer)``) end epoch 0 and average it; ``late`` then sees the swarm at
     epoch 1 while it is still at epoch 0."""
-    threads = [threading.Thread(target=_end_epoch_zero, args=(m, o, seed)) for seed, (m, o) in enumerate(two)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=90)
+    end_epoch_together(two, LATE_BATCH)
     assert [o.local_epoch for _, o in two] == [1, 1] and not two[0][1].missed_round
     deadline = time.monotonic() + 30
     while late.tracker.global_epoch < 1 and time.monotonic() < deadline:
@@ -85,7 +62,7 @@ def test_a_trainer_that_comes_after_the_others_took_its_round_takes_its_result_w
             assert optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout=30)
         # its first step while the swarm is at its epoch: hivemind's once-per-epoch strict check passes (a trainer
         # on another epoch than the swarm's downloads the state instead)
-        _backward(late_model, seed=2)
+        backward_on(late_model, seed=2, batch=LATE_BATCH)
         late.step(batch_size=1)
 
         _two_end_epoch_zero_without(late, (first_model, first), (second_model, second))
@@ -123,7 +100,7 @@ def test_a_trainer_whose_download_ended_after_the_round_of_its_epoch_takes_that_
 
         _two_end_epoch_zero_without(late, (first_model, first), (second_model, second))
 
-        _backward(late_model, seed=2)
+        backward_on(late_model, seed=2, batch=LATE_BATCH)
         late.step(batch_size=1)
         assert late.state_loads == loads, "it downloaded the whole state again"
         assert late.local_epoch == 1 and late.repaired_rounds == 1 and not late.missed_round
