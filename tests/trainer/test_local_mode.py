@@ -11,6 +11,7 @@ import torch
 
 from benchmarks.testbed import trainers
 from benchmarks.testbed.aux import RUN_ID, checkpoint_dirs, free_port, start_aux
+from benchmarks.testbed.faults.injection import FAIL_ALLREDUCE_ROUNDS_ENV
 from benchmarks.testbed.processes import kill_all, wait_all
 from benchmarks.testbed.trainers import epoch_losses, final_epoch, max_param_difference, start_trainer
 from model import LeanGPTForCausalLM
@@ -55,6 +56,30 @@ def test_two_local_mode_peers_agree_and_a_sync_peer_is_refused(tmp_path, swarm):
     assert len(set(epoch_losses(first)) & set(epoch_losses(second))) >= int(epochs) // 2
     assert max_param_difference([tmp_path / "a", tmp_path / "b"]) <= 1e-6
     _equal_after_every_round(tmp_path, int(epochs), [first, second])
+
+
+@pytest.mark.timeout(360)
+def test_a_round_that_broke_off_on_one_side_is_dropped_by_both_peers(tmp_path, swarm):
+    """The second peer's 3rd round breaks off on its side once the group formed, before it sends anything (a
+    matchmaking stream that broke in CI did the same). It drops the round; the first peer's reducer and sender then
+    time out on it and hivemind calls what is left, its own pseudo-gradient alone, the round's result. The first
+    peer drops the round too (``_PolicyAveraging._others_data_needed``) instead of stepping alone, and the two hold
+    the same shared parameters after every round (stepping alone, it stayed 0.51 apart from the other until their
+    round agreement downloaded, two rounds later)."""
+    epochs = 10
+    common = ["--max_epochs", str(epochs), *LOCAL, *EXACT]
+    dumps = {name: trainers.param_dump_env(tmp_path, name) for name in "ab"}
+    first = start_trainer(tmp_path, "a", "local_break", extra=[*common, "--min_peers", "2"], env=dumps["a"])
+    swarm.append(first)
+    initial_peers = first.initial_peers(STARTUP)
+    faulty = {**dumps["b"], FAIL_ALLREDUCE_ROUNDS_ENV: "3"}
+    second = start_trainer(tmp_path, "b", "local_break", initial_peers=initial_peers, extra=common, env=faulty)
+    swarm.append(second)
+    assert wait_all([first, second], timeout=300) == [0, 0]
+    assert "FAULT INJECTION: this peer's all-reduce round 3 fails" in second.log()
+    compared = _equal_after_every_round(tmp_path, epochs, [first, second])
+    dropped = [{int(e["epoch"]) for e in peer.events.all("round_missed")} for peer in (first, second)]
+    assert dropped[0] & dropped[1] & compared, f"no round both dropped was compared: {dropped}, {sorted(compared)}"
 
 
 def _equal_after_every_round(tmp_path, epochs: int, peers) -> set:

@@ -51,8 +51,11 @@ Averaging (both averagers of hivemind.Optimizer)
   reducer's answer while it sends, so a reducer that refused it (it began after the reducer's sender_timeout) ends
   its round at once; hivemind's client read only after sending everything, its writes failed on the closed stream and
   it waited until its all-reduce timeout. A round in which no reducer averaged anything fails instead of counting as
-  averaged (``_run_allreduce_inplace_``). ``_handle_missing_senders`` (override of a private method): a client-mode
-  sender gets twice sender_timeout to start (its first part counts, and it crosses a home uplink).
+  averaged (``_run_allreduce_inplace_``); so does, for local mode's pseudo-gradients, a round in which no data of
+  another member reached this peer (``heard_from`` reads the reducer's private ``num_parts_received`` and
+  ``sender_failed_after``): its result would be its own pseudo-gradient alone, while the others dropped the round.
+  ``_handle_missing_senders`` (override of a private method): a client-mode sender gets twice sender_timeout to
+  start (its first part counts, and it crosses a home uplink).
 - ``same_result`` (gradient averagers only): every peer of a round takes the same result. hivemind's reducer answers
   each sender with its own compressed delta, so a lossy wire compression left every synchronous trainer with its own
   rounding of the average. ``_generate_input_for_peer`` (override of a private method) marks a sender's first part
@@ -517,6 +520,9 @@ PRIVATE_ATTRIBUTES = [
     ("hivemind.averaging.partition", "TensorPartContainer", "prefetch"),
     ("hivemind.averaging.partition", "TensorPartReducer", "accumulate_part"),
     ("hivemind.averaging.partition", "TensorPartReducer", "num_parts"),
+    # local mode: a round with no other member's data fails (BoundedAllReduceRunner.heard_from)
+    ("hivemind.averaging.partition", "TensorPartReducer", "num_parts_received"),
+    ("hivemind.averaging.partition", "TensorPartReducer", "sender_failed_after"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "parts_for_local_averaging"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "tensor_part_reducer"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "ordered_peer_ids"),

@@ -157,6 +157,22 @@ class BoundedAllReduceRunner(AllReduceRunner):
         self._parts_by_peer = [list(parts) for parts in self.tensor_part_container._input_parts_by_peer]
         self._encoded_averages: Dict[int, asyncio.Future] = {}
 
+    def heard_from(self, peers: Sequence[PeerID]) -> bool:
+        """Whether data of any of ``peers`` (other members of the group) reached this peer's result: a part of theirs
+        that this peer's reducer averaged, or an answer of theirs as a reducer. Read once the round's results are in;
+        every part a failed reducer left is counted in the container's ``failed_size``."""
+        container, reducer = self.tensor_part_container, self.tensor_part_reducer
+        own_index = self.ordered_peer_ids.index(self.peer_id)
+        own_shard = sum(part.numel() for part, _ in self._parts_by_peer[own_index])
+        if container.failed_size < container.total_size - own_shard:
+            return True  # some other reducer answered
+        for peer_id in peers:
+            if peer_id in self.sender_peer_ids:
+                index = self.sender_peer_ids.index(peer_id)
+                if min(reducer.num_parts_received[index], reducer.sender_failed_after[index]) > 0:
+                    return True
+        return False
+
     async def _handle_missing_senders(self):
         """hivemind's, except that a client-mode sender gets twice ``sender_timeout`` to start.
 
@@ -504,10 +520,12 @@ class _PolicyAveraging:
                 # a client whose reducers all refused it (BoundedAllReduceRunner._communicate_with_peer) kept its own
                 # values: hivemind calls that a round, and it would be counted as one taken part in
                 raise AllreduceException("no reducer of the group averaged this peer's parts")
+            modes = declared_modes(self.serializer, group_info)
+            others = [p for p, m in zip(group_info.peer_ids, modes) if p != self.peer_id and m != AveragingMode.AUX]
+            if self._others_data_needed and others and not runner.heard_from(others):
+                raise AllreduceException("no other member of the group sent data: this peer's result is its own")
             whole = received == len(tensors) and not (refused or bounded or container.failed_size)
             if runner.same_result:  # the group's very bits (not own + delta, as in local mode)
-                modes = declared_modes(self.serializer, group_info)
-                others = [p for p, m in zip(group_info.peer_ids, modes) if p != self.peer_id and m != AveragingMode.AUX]
                 # no other member sent data: every part, averaged or kept, is this peer's own gradient, and that is
                 # its round's result even where a reducer failed (an assisting aux's own part came late, "received
                 # 56.9% results"; a client that found no group then had no result to take and stepped apart)
@@ -554,6 +572,13 @@ class _PolicyAveraging:
     _own_part_as_sent = False
     """A reducer averages its own part as the others receive it (``BoundedAllReduceRunner._average_own_shard``): for
     the state, whose peers hold the same tensors whenever they took the same rounds."""
+    _others_data_needed = False
+    """A round in which no data of another (non-aux) member reached this peer fails (``BoundedAllReduceRunner.
+    heard_from``): hivemind calls it a round when the others' parts time out, and this peer's result is then its own
+    contribution alone. For local mode's pseudo-gradients, where a failed round is dropped: two local-mode peers
+    whose group formed, one of which never began the all-reduce (its matchmaking stream broke) dropped the round
+    while the other, whose reducer and sender timed out on it, took its own pseudo-gradient as the round's and
+    stepped alone; their shared parameters stayed 0.51 apart until the round agreement downloaded, two rounds on."""
 
 
 def declared_modes(serializer, group_info) -> Tuple[AveragingMode, ...]:
@@ -1137,6 +1162,7 @@ class PseudoGradientAverager(LeanHiveGradientAverager):
 
     _bound_two_peer_rounds = False
     _same_result = False  # not measured in local mode yet; its round agreement (peer.swarm.agreement) repairs drift
+    _others_data_needed = True
     # The two-peer bound of gradients (``bound_two_peer_update``) bounds each receiver by its own contribution, so
     # the two peers of a round apply different results: harmless for one gradient step, but here it leaves their
     # shared parameters apart (the mode's invariant is that every peer holds the same ones), even after honest
