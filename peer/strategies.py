@@ -286,13 +286,13 @@ class LocalTraining:
         if missed:
             # at once, not SETTLE_SECONDS later: the peers that made the round ended it before this peer's attempt
             # gave up, so their fingerprints are there
+            # no record: nobody that serves its state made the round, and nothing is loaded. Clients publish no
+            # records, but a client takes no round with aux peers alone while others train
+            # (``_PolicyAveraging._others_data_needed``), and one that made the round with other clients holds a
+            # state nobody can serve; it follows this peer's record of the next round. Taking the swarm's state here
+            # (an aux's, which applies no round in this mode) delayed each peer by a download of seconds: a trainer
+            # and a client then met in no group for the rest of a run
             self._follow_agreement()
-            if not self.agreement.records_compared and self.optimizer.tracker.global_progress.num_clients > 0:
-                # none, but client-mode trainers report progress: they publish no fingerprints, and one may have
-                # made the round with an aux peer, whose state is then ahead. Without clients, no record means
-                # nobody made the round: every trainer dropped it and holds this peer's parameters (downloading
-                # them anyway made each peer late for the next round: two peers could miss every round of a run)
-                resync_after_missed_round(self.optimizer, self.watchdog)
 
     def learning_rate(self) -> float:
         return self.inner_optimizer.param_groups[0]["lr"]

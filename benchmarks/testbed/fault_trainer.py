@@ -44,6 +44,9 @@ class _FaultHooks(AllReduceFaults):
             kwargs.setdefault("allow_retries", False)
         return super().schedule_step(*args, **kwargs)
 
+    def sits_out_step(self) -> bool:
+        return injection.sits_out_step()
+
     def before_allreduce(self, tensors, kwargs: dict) -> None:
         injection.maybe_die_in_allreduce_rounds(self)
         injection.maybe_fail_allreduce()

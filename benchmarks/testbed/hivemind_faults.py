@@ -5,6 +5,7 @@ production seam's are.
 
 - ``DecentralizedAverager._run_allreduce_inplace_``: wrapped by ``AllReduceFaults`` to corrupt what a peer sends, or
   to die in the middle of a round;
+- ``DecentralizedAverager._step``: wrapped by ``AllReduceFaults`` so that a peer sits a round out (``sit_out``);
 - ``BoundedAllReduceRunner._generate_input_for_peer``: wrapped by ``send_bad_shapes`` (parts of the wrong shape);
 - ``RSASignatureValidator._serialize_record``: the bytes a record's signature covers (``record_bytes_to_sign``), to
   sign crafted records exactly as an honest peer does.
@@ -12,6 +13,7 @@ production seam's are.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import torch
@@ -20,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 PINNED = [
     ("hivemind.averaging.averager", "DecentralizedAverager", "_run_allreduce_inplace_"),
+    ("hivemind.averaging.averager", "DecentralizedAverager", "_step"),
     ("hivemind.averaging.allreduce", "AllReduceRunner", "_generate_input_for_peer"),
     ("hivemind.dht.crypto", "RSASignatureValidator", "_serialize_record"),
 ]
@@ -35,6 +38,15 @@ class AllReduceFaults:
     def after_allreduce(self, tensors, error) -> None:
         pass
 
+    def sits_out_step(self) -> bool:
+        """Whether the step (round) that begins now finds no group on purpose (``sit_out``)."""
+        return False
+
+    async def _step(self, *, step, future_for_init):
+        if not self.sits_out_step():
+            return await super()._step(step=step, future_for_init=future_for_init)
+        await sit_out(step, future_for_init)
+
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         self.before_allreduce(tensors, kwargs)
         try:
@@ -43,6 +55,27 @@ class AllReduceFaults:
             self.after_allreduce(tensors, e)
             raise
         self.after_allreduce(tensors, None)
+
+
+async def sit_out(step, future_for_init) -> None:
+    """hivemind's ``DecentralizedAverager._step`` for a peer that neither leads nor joins a group: it waits out the
+    step's deadline (or its cancellation) and fails as hivemind does when matchmaking finds nobody. The others see
+    a peer that is online and reports progress but is in none of their groups."""
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.averaging.partition import AllreduceException
+    from hivemind.utils import MPFuture, get_dht_time
+
+    trigger, cancel = MPFuture(), MPFuture()
+    step.attach(trigger, cancel)
+    future_for_init.set_result((trigger, cancel))
+    step.stage = AveragingStage.LOOKING_FOR_GROUP
+    try:
+        while not step.done() and not step.cancelled() and get_dht_time() < step.deadline:
+            await asyncio.sleep(0.1)
+    finally:
+        step.stage = AveragingStage.FINISHED
+        if not step.done():
+            step.set_exception(AllreduceException("FAULT INJECTION: this peer sat the round out (no group)"))
 
 
 def send_bad_shapes() -> None:

@@ -32,9 +32,8 @@ state averaging round. This module finds and repairs such a disagreement, with o
    publishes none either, and follows the records of that epoch that ended up to ``missed_round_seconds`` before
    or after its attempt gave up (an attempt fails only when its wait is over): if peers made the round, their
    shared parameters moved by an outer step and it downloads theirs. With no record to follow, nobody made the
-   round (two peers that found no group) and nothing is loaded, unless client-mode trainers report progress: they
-   publish no fingerprints and one may have made the round with an aux peer, so the trainer takes the swarm's state
-   as any missed round did before (peer.strategies).
+   round that can be served (two peers that found no group, or clients with each other: a client publishes no
+   record, and a group of it and aux peers only fails while other trainers train) and nothing is loaded.
 
 Every record is untrusted: the schema bounds its size, a peer ID claimed twice counts for neither, a sample with
 NaN/inf values or of the wrong size is ignored, and a vote can only make a peer download once per round from peers

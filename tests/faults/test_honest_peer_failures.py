@@ -498,6 +498,39 @@ def test_an_anchoring_aux_record_votes_only_while_no_serving_trainer_reports(tmp
         dht.shutdown()
 
 
+def test_the_other_trainers_a_local_mode_peer_counts_are_live_clients_and_trainers_not_aux_peers():
+    """A local-mode trainer whose group held only aux peers besides itself drops the round while other trainers
+    train (``_PolicyAveraging._others_data_needed``). It counts them from the progress records: clients and trainers
+    (a trainer before its first step reports hivemind's 1e-20 samples/s), not an aux peer (0), not a record older
+    than ``LIVE_RECORD_SECONDS`` (a crashed trainer's outlives it by a minute), not its own."""
+    import hivemind
+
+    from peer.swarm.hivemind_seam import LeanHiveProgressTracker
+    from peer.swarm.hivemind_seam.progress import LIVE_RECORD_SECONDS
+
+    def record(samples_per_second: float, client_mode: bool = False, age: float = 0.0):
+        value = _progress_record(epoch=3, samples=0, samples_per_second=samples_per_second, client_mode=client_mode)
+        value.value["time"] -= age
+        return value
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        tracker = LeanHiveProgressTracker(dht, "count_run", 64, start=False)
+        tracker._parse_swarm_progress_data({b"aux": record(0.0)})
+        assert tracker.other_live_trainers() == 0
+        records = {
+            b"aux": record(0.0),
+            b"client": record(50.0, client_mode=True),
+            b"fresh": record(1e-20),
+            b"gone": record(40.0, age=LIVE_RECORD_SECONDS + 5),
+            tracker._local_public_key: record(30.0),
+        }
+        tracker._parse_swarm_progress_data(records)
+        assert tracker.other_live_trainers() == 2
+    finally:
+        dht.shutdown()
+
+
 def test_an_aux_behind_the_trainers_epoch_is_ready_when_their_epoch_ends_not_at_once(tmp_path):
     """Home testbed b: an assisting aux took the trainers' round k + 1 as its own round k, so it was always one
     epoch behind them. hivemind called it ready at once, and it began each round as soon as its last one ended, about

@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.testbed import trainers
 from benchmarks.testbed.aux import RUN_ID, checkpoint_dirs, free_port, start_aux
-from benchmarks.testbed.faults.injection import FAIL_ALLREDUCE_ROUNDS_ENV
+from benchmarks.testbed.faults.injection import FAIL_ALLREDUCE_ROUNDS_ENV, SIT_OUT_ROUNDS_ENV
 from benchmarks.testbed.processes import kill_all, wait_all
 from benchmarks.testbed.trainers import epoch_losses, final_epoch, max_param_difference, start_trainer
 from model import LeanGPTForCausalLM
@@ -146,3 +146,31 @@ def test_an_aux_peer_checkpoints_the_shared_state(tmp_path, swarm, variant):
         assert worst <= 1e-6, f"aux checkpoint {name} differs from the trainers' parameters of epoch {epoch}: {worst}"
         compared += 1
     assert compared >= 1, f"no aux checkpoint at an epoch both trainers finished: {checkpoint_dirs(tmp_path)}"
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.local_mode
+def test_a_client_and_an_aux_peer_take_no_round_without_the_trainer(tmp_path, swarm):
+    """The full trainer sits every round out: it is online and reports progress, but joins no group, and drops
+    each round. The client and the assisting aux peer then form groups of their own, in which the client's result
+    would be its own pseudo-gradient alone. Such a group fails instead (``_PolicyAveraging._others_data_needed``):
+    the client drops those rounds too, and the two hold the same shared parameters after every round (stepping with
+    the aux alone, a client stayed 1.04 apart from the trainer for a round in a run of the aux test above)."""
+    epochs = 8
+    common = ["--max_epochs", str(epochs), *LOCAL, *EXACT]
+    dumps = {name: trainers.param_dump_env(tmp_path, name) for name in "ab"}
+    sits_out = {**dumps["a"], SIT_OUT_ROUNDS_ENV: ",".join(str(n) for n in range(1, 10 * epochs))}
+    first = start_trainer(tmp_path, "a", RUN_ID, extra=[*common, "--min_peers", "2"], env=sits_out)
+    swarm.append(first)
+    initial_peers = first.initial_peers(STARTUP)
+    swarm.append(start_aux("aux", tmp_path, free_port(), "--initial_peers", *initial_peers, *LOCAL, *EXACT))
+    client = [*common, "--client_mode"]
+    second = start_trainer(tmp_path, "b", RUN_ID, initial_peers=initial_peers, extra=client, env=dumps["b"])
+    swarm.append(second)
+    assert wait_all([first, second], timeout=300) == [0, 0]
+    assert "FAULT INJECTION: this peer sits out its round 1" in first.log()
+    differences = trainers.round_param_differences(tmp_path, ["a", "b"])
+    assert len(differences) >= epochs // 2, f"too few rounds both peers finished: {sorted(differences)}"
+    # without the check: 0.22 apart after the first round, 0.94 after the fourth
+    assert max(differences.values()) <= 1e-6, f"shared parameters differ after a round: {differences}"
+    assert "the group had no other trainer (only aux peers)" in second.log()

@@ -20,6 +20,8 @@ What a broken or hostile peer puts on the wire (its own local checks never see i
 - ``LEANHIVE_FAULT_FAIL_ALLREDUCE=1``: every gradient all-reduce breaks off on this peer's side after its group
   formed; ``LEANHIVE_FAULT_FAIL_ALLREDUCE_ROUNDS=3,4``: only its 3rd and 4th (counted from 1 in its averager
   process). Such a peer does not retry a round that broke off (hivemind would join the others' next round).
+- ``LEANHIVE_FAULT_SIT_OUT_ROUNDS=3``: this peer's 3rd gradient round (its averager's 3rd step, counted from 1 in
+  its averager process) neither leads nor joins a group: it waits out the round and finds none, while online.
 - ``LEANHIVE_FAULT_SEND_WEIGHT=inf``: the sample weight this peer claims in every gradient all-reduce.
 - ``LEANHIVE_FAULT_SEND_BAD_SHAPE=1``: every gradient part this peer sends to another peer's reducer is a
   1-element tensor instead of the shard's part.
@@ -54,6 +56,7 @@ SEND_BAD_SHAPE_ENV = "LEANHIVE_FAULT_SEND_BAD_SHAPE"
 RECORD_AVERAGING_ENV = "LEANHIVE_FAULT_RECORD_AVERAGING"
 FAIL_ALLREDUCE_ENV = "LEANHIVE_FAULT_FAIL_ALLREDUCE"
 FAIL_ALLREDUCE_ROUNDS_ENV = "LEANHIVE_FAULT_FAIL_ALLREDUCE_ROUNDS"
+SIT_OUT_ROUNDS_ENV = "LEANHIVE_FAULT_SIT_OUT_ROUNDS"
 PARAMS_DIR_ENV = "LEANHIVE_TEST_PARAMS_DIR"
 
 
@@ -135,6 +138,20 @@ def maybe_fail_allreduce() -> None:
     _rounds_begun += 1
     if os.environ.get(FAIL_ALLREDUCE_ENV, "") not in ("", "0") or _rounds_begun in _numbers(FAIL_ALLREDUCE_ROUNDS_ENV):
         raise RuntimeError(f"FAULT INJECTION: this peer's all-reduce round {_rounds_begun} fails")
+
+
+_steps_begun = 0  # gradient averaging steps (rounds) this averager process began (sits_out_step)
+
+
+def sits_out_step() -> bool:
+    """Called in the averager process as each gradient averaging step begins: whether this one sits the round out
+    (``LEANHIVE_FAULT_SIT_OUT_ROUNDS``)."""
+    global _steps_begun
+    _steps_begun += 1
+    if _steps_begun not in _numbers(SIT_OUT_ROUNDS_ENV):
+        return False
+    logger.warning("FAULT INJECTION: this peer sits out its round %d (it joins no group)", _steps_begun)
+    return True
 
 
 def maybe_send_bad_shapes() -> None:

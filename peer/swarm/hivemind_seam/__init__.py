@@ -54,6 +54,7 @@ Averaging (both averagers of hivemind.Optimizer)
   averaged (``_run_allreduce_inplace_``); so does, for local mode's pseudo-gradients, a round in which no data of
   another member reached this peer (``heard_from`` reads the reducer's private ``num_parts_received`` and
   ``sender_failed_after``): its result would be its own pseudo-gradient alone, while the others dropped the round.
+  A group of this trainer and aux peers only (their declared modes) fails the same way while other trainers train.
   ``_handle_missing_senders`` (override of a private method): a client-mode sender gets twice sender_timeout to
   start (its first part counts, and it crosses a home uplink).
 - ``same_result`` (gradient averagers only): every peer of a round takes the same result. hivemind's reducer answers

@@ -501,6 +501,12 @@ class _PolicyAveraging:
             # two contributors: the median cannot tell the faulty one, so bound what the other can do to us
             two_peers = self._bound_two_peer_rounds and self.policy.contribution_clip > 0
             two_peers = two_peers and len(runner.sender_peer_ids) == 2 and runner.weight > 0
+            modes = declared_modes(self.serializer, group_info)
+            others = [p for p, m in zip(group_info.peer_ids, modes) if p != self.peer_id and m != AveragingMode.AUX]
+            # local mode: a group of this trainer and aux peers only averages its own pseudo-gradient; while other
+            # trainers train, that is an outer step alone (the averaged tensors are put back for a retry)
+            alone = self._others_data_needed and not others and self.other_trainers.value > 0
+            kept = [tensor.clone() for tensor in tensors] if alone else None
             async for tensor, output in azip(as_aiter(*tensors), runner):
                 received += 1
                 # the checks below work on the update (average - own); with same_result the output is the result
@@ -520,8 +526,13 @@ class _PolicyAveraging:
                 # a client whose reducers all refused it (BoundedAllReduceRunner._communicate_with_peer) kept its own
                 # values: hivemind calls that a round, and it would be counted as one taken part in
                 raise AllreduceException("no reducer of the group averaged this peer's parts")
-            modes = declared_modes(self.serializer, group_info)
-            others = [p for p, m in zip(group_info.peer_ids, modes) if p != self.peer_id and m != AveragingMode.AUX]
+            if kept is not None:
+                for tensor, before in zip(tensors, kept):
+                    tensor.copy_(before)
+                raise AllreduceException(
+                    f"the group had no other trainer (only aux peers) while {self.other_trainers.value} other "
+                    "trainer(s) train: its result is this peer's own"
+                )
             if self._others_data_needed and others and not runner.heard_from(others):
                 raise AllreduceException("no other member of the group sent data: this peer's result is its own")
             whole = received == len(tensors) and not (refused or bounded or container.failed_size)
@@ -578,7 +589,10 @@ class _PolicyAveraging:
     contribution alone. For local mode's pseudo-gradients, where a failed round is dropped: two local-mode peers
     whose group formed, one of which never began the all-reduce (its matchmaking stream broke) dropped the round
     while the other, whose reducer and sender timed out on it, took its own pseudo-gradient as the round's and
-    stepped alone; their shared parameters stayed 0.51 apart until the round agreement downloaded, two rounds on."""
+    stepped alone; their shared parameters stayed 0.51 apart until the round agreement downloaded, two rounds on.
+    A group of this peer and aux peers only fails the same way while other trainers train (``other_trainers``): a
+    client and an assisting aux took a round that way while the full trainer found no group and dropped it, and the
+    client's shared parameters stayed 1.04 apart from the trainer's for the round."""
 
 
 def declared_modes(serializer, group_info) -> Tuple[AveragingMode, ...]:
@@ -1173,6 +1187,9 @@ class PseudoGradientAverager(LeanHiveGradientAverager):
         del prefix  # hivemind's gradient prefix: this averager has its own
         kwargs["reuse_grad_buffers"] = True  # nothing is accumulated: no second copy of the gradients
         self.key_epoch = mp.Value("q", -1)  # before hivemind's __init__ forks the averager process
+        self.other_trainers = mp.Value("q", 0)
+        """How many other trainers train now (``LeanHiveProgressTracker.other_live_trainers``), set by the host
+        before each round: a group without any of them fails (``_others_data_needed``)."""
         super().__init__(parameters, prefix=outer_averager_prefix(run_id), **kwargs)
         self.shared_parameters: Optional[Tuple[torch.Tensor, ...]] = None  # set by LeanHiveOptimizer
 
@@ -1268,6 +1285,11 @@ class LeanHiveOptimizer(hivemind.Optimizer):
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         self._name_round()
+        other_trainers = getattr(self.grad_averager, "other_trainers", None)
+        if other_trainers is not None and not self.auxiliary:
+            # right after a download a peer's tracker may not list the trainer that served it yet: a client's first
+            # round with an assisting aux alone was taken that way while the trainer dropped it
+            other_trainers.value = max(self.tracker.other_live_trainers(), int(self._just_downloaded()))
         if self.local_updates and not self.auxiliary and self.local_epoch < self.tracker.global_epoch:
             self._skip_round_already_over()
             return False

@@ -307,6 +307,19 @@ class LeanHiveProgressTracker(ProgressTracker):
         donors = frozenset(record.peer_id for record in live if abs(record.epoch - consensus) <= MAX_EPOCH_LEAD)
         return (consensus, donors) if donors else None
 
+    def other_live_trainers(self) -> int:
+        """How many other peers train now, by their last fetched records: client-mode peers, and serving peers that
+        report a throughput (an aux peer reports none), renewed within ``LIVE_RECORD_SECONDS`` (a crashed trainer's
+        record outlives it by a minute)."""
+        own_key, now = self._local_public_key, get_dht_time()
+        return sum(
+            1
+            for key, record in self._records.items()
+            if key != own_key
+            and (record.client_mode or record.samples_per_second > 0)
+            and now - record.time <= LIVE_RECORD_SECONDS
+        )
+
     def reestimate(self) -> None:
         """Estimate the swarm's progress again from the last fetched records (after this peer's epoch changed
         outside a round: its own record there may be stale)."""
