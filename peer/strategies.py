@@ -193,12 +193,11 @@ class LocalTraining:
         agreement: RoundAgreement,
         optimizer_args: OptimizerArguments,
         batch_size_per_step: int,
-        watchdog: Optional[DHTWatchdog],
         stop_requested: threading.Event,
     ):
         self.optimizer, self.model, self.inner_optimizer = optimizer, model, inner_optimizer
         self.agreement, self.optimizer_args = agreement, optimizer_args
-        self.batch_size_per_step, self.watchdog, self.stop_requested = batch_size_per_step, watchdog, stop_requested
+        self.batch_size_per_step, self.stop_requested = batch_size_per_step, stop_requested
         self._state_loads_seen = optimizer.state_loads  # a state loaded while joining: the first round follows
 
     @classmethod
@@ -214,7 +213,6 @@ class LocalTraining:
         collab: CollaborationArguments,
         optimizer_args: OptimizerArguments,
         batch_size_per_step: int,
-        watchdog: Optional[DHTWatchdog],
         stop_requested: threading.Event,
     ) -> "LocalTraining":
         agreement = RoundAgreement(
@@ -235,7 +233,6 @@ class LocalTraining:
             agreement=agreement,
             optimizer_args=optimizer_args,
             batch_size_per_step=batch_size_per_step,
-            watchdog=watchdog,
             stop_requested=stop_requested,
         )
 
@@ -285,13 +282,12 @@ class LocalTraining:
         self._state_loads_seen = loads
         if missed:
             # at once, not SETTLE_SECONDS later: the peers that made the round ended it before this peer's attempt
-            # gave up, so their fingerprints are there
-            # no record: nobody that serves its state made the round, and nothing is loaded. Clients publish no
-            # records, but a client takes no round with aux peers alone while others train
-            # (``_PolicyAveraging._others_data_needed``), and one that made the round with other clients holds a
-            # state nobody can serve; it follows this peer's record of the next round. Taking the swarm's state here
-            # (an aux's, which applies no round in this mode) delayed each peer by a download of seconds: a trainer
-            # and a client then met in no group for the rest of a run
+            # gave up, so their fingerprints are there. With none, nobody that serves its state made the round and
+            # nothing is loaded: clients publish no records, but none takes a round with aux peers alone while
+            # others train (``_PolicyAveraging._others_data_needed``), and clients that made it together hold a
+            # state nobody can serve (they follow this peer's record of the next round). Taking the swarm's state
+            # here (an aux's, which applies no round in this mode) cost each peer a download of seconds, after
+            # which a trainer and a client met in no group for the rest of a run
             self._follow_agreement()
 
     def learning_rate(self) -> float:

@@ -244,7 +244,6 @@ class TrainerPeer:
                 collab=collab,
                 optimizer_args=config.optimizer,
                 batch_size_per_step=batch_size_per_step(train),
-                watchdog=swarm.watchdog,
                 stop_requested=control.stop_requested,
             )
         else:
