@@ -9,7 +9,7 @@ import math
 import statistics
 import threading
 import time
-from typing import Dict, FrozenSet, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.utils import get_dht_time
@@ -291,15 +291,8 @@ class LeanHiveProgressTracker(ProgressTracker):
         their dead predecessors for the swarm (fault scenario e). What a donor serves is checked like any state."""
         if not self.votes_own_epoch:
             return None
-        own_key, own, now = self._local_public_key, self.local_progress.epoch, get_dht_time()
-        live = [
-            record
-            for key, record in self._records.items()
-            if key != own_key
-            and not record.client_mode
-            and record.samples_per_second > 0
-            and now - record.time <= LIVE_RECORD_SECONDS
-        ]
+        own = self.local_progress.epoch
+        live = [record for record in self._live_other_trainers() if not record.client_mode]
         votes = [record.epoch for record in live] + [own]
         if not live or statistics.median_high(votes) + DOWNLOAD_EPOCH_LEAD >= own:
             return None
@@ -308,17 +301,21 @@ class LeanHiveProgressTracker(ProgressTracker):
         return (consensus, donors) if donors else None
 
     def other_live_trainers(self) -> int:
-        """How many other peers train now, by their last fetched records: client-mode peers, and serving peers that
-        report a throughput (an aux peer reports none), renewed within ``LIVE_RECORD_SECONDS`` (a crashed trainer's
-        record outlives it by a minute)."""
+        """How many other peers train now (``_live_other_trainers``)."""
+        return len(self._live_other_trainers())
+
+    def _live_other_trainers(self) -> List[LocalTrainingProgress]:
+        """The other peers' last fetched records of trainers that are alive: client-mode peers, and serving peers
+        that report a throughput (an aux peer reports none), renewed within ``LIVE_RECORD_SECONDS`` (a crashed
+        trainer's record outlives it by a minute)."""
         own_key, now = self._local_public_key, get_dht_time()
-        return sum(
-            1
+        return [
+            record
             for key, record in self._records.items()
             if key != own_key
             and (record.client_mode or record.samples_per_second > 0)
             and now - record.time <= LIVE_RECORD_SECONDS
-        )
+        ]
 
     def reestimate(self) -> None:
         """Estimate the swarm's progress again from the last fetched records (after this peer's epoch changed
