@@ -95,14 +95,17 @@ def run_once(folder: Path, trainers: int, epochs: int, trainer_args: List[str]) 
 
 def table(results: List[dict]) -> str:
     lines = [
-        "| run | epochs compared | first difference | equal from epoch | largest difference at the last epoch |",
-        "|---|---|---|---|---|",
+        "| run | exit codes | epochs compared | first difference | equal from epoch "
+        "| largest difference at the last epoch |",
+        "|---|---|---|---|---|---|",
     ]
     for index, result in enumerate(results, 1):
+        last = result["difference_at_last"]
+        at_last = "— (no epoch saved by all)" if last is None else f"{last:.3g} (epoch {result['last_epoch']})"
+        equal_from = result["equal_from"] if result["equal_from"] is not None else "never"
+        first = result["first_difference"] if result["first_difference"] is not None else "—"
         lines.append(
-            f"| {index} | {result['epochs_compared']} | {result['first_difference'] or '—'} | "
-            f"{result['equal_from'] if result['equal_from'] is not None else 'never'} | "
-            f"{result['difference_at_last']:.3g} (epoch {result['last_epoch']}) |"
+            f"| {index} | {result['exit_codes']} | {result['epochs_compared']} | {first} | {equal_from} | {at_last} |"
         )
     equal = sum(result["equal_from"] is not None for result in results)
     lines.append(f"\n{equal} of {len(results)} runs ended with every trainer's parameters equal bit for bit.")
