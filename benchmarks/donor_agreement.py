@@ -14,7 +14,6 @@ differ after a step are the first sign of statistics that differ).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import shlex
 import sys
@@ -22,23 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import torch
-
 from benchmarks.testbed.processes import kill_all, wait_all
-from benchmarks.testbed.trainers import largest_difference, param_dump_env, params_dir, start_trainer
+from benchmarks.testbed.trainers import param_dump_env, round_param_differences, start_trainer
 
 STARTUP = 120  # seconds for the first trainer to print its address on a loaded machine
-
-
-def pairwise_differences(folder: Path, names: List[str]) -> Dict[int, float]:
-    """For every epoch that all trainers saved: the largest difference of any parameter between any two of them."""
-    dumps = [{int(p.stem.split("_")[1]): p for p in params_dir(folder, name).glob("epoch_*.pt")} for name in names]
-    common = sorted(set(dumps[0]).intersection(*dumps[1:]))
-    differences = {}
-    for epoch in common:
-        states = [torch.load(d[epoch], map_location="cpu", weights_only=True) for d in dumps]
-        differences[epoch] = max(largest_difference(x, y) for x, y in itertools.combinations(states, 2))
-    return differences
 
 
 def equal_from(differences: Dict[int, float]) -> Optional[int]:
@@ -79,7 +65,7 @@ def run_once(folder: Path, trainers: int, epochs: int, trainer_args: List[str]) 
         codes = wait_all(peers, timeout=60 + 20 * epochs)
     finally:
         kill_all(peers)
-    differences = pairwise_differences(folder, names)
+    differences = round_param_differences(folder, names, all_pairs=True)
     unequal = [epoch for epoch, difference in differences.items() if difference != 0.0]
     last = max(differences) if differences else None
     return {

@@ -7,6 +7,7 @@ A trainer whose environment holds a fault variable (``LEANHIVE_FAULT_*``, ``LEAN
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -133,15 +134,17 @@ def param_dump_env(folder: Path, name: str) -> Dict[str, str]:
     return {PARAMS_DIR_ENV: str(params_dir(folder, name))}
 
 
-def round_param_differences(folder: Path, names: Sequence[str]) -> Dict[int, float]:
+def round_param_differences(folder: Path, names: Sequence[str], *, all_pairs: bool = False) -> Dict[int, float]:
     """For every global epoch that all these trainers dumped (``param_dump_env``): the largest absolute difference
-    of any parameter between the first trainer and each other one after that epoch."""
+    of any parameter between the first trainer and each other one after that epoch (``all_pairs``: between any two
+    of them)."""
     dumps = [{int(p.stem.split("_")[1]): p for p in params_dir(folder, name).glob("epoch_*.pt")} for name in names]
     common = sorted(set(dumps[0]).intersection(*dumps[1:]))
     differences = {}
     for epoch in common:
-        reference, *others = [torch.load(d[epoch], map_location="cpu", weights_only=True) for d in dumps]
-        differences[epoch] = max((largest_difference(reference, other) for other in others), default=0.0)
+        states = [torch.load(d[epoch], map_location="cpu", weights_only=True) for d in dumps]
+        pairs = itertools.combinations(states, 2) if all_pairs else ((states[0], other) for other in states[1:])
+        differences[epoch] = max((largest_difference(x, y) for x, y in pairs), default=0.0)
     return differences
 
 
