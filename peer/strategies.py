@@ -199,6 +199,7 @@ class LocalTraining:
         self.agreement, self.optimizer_args = agreement, optimizer_args
         self.batch_size_per_step, self.stop_requested = batch_size_per_step, stop_requested
         self._state_loads_seen = optimizer.state_loads  # a state loaded while joining: the first round follows
+        self._partial_rounds_seen = self._partial_rounds()
 
     @classmethod
     def build(
@@ -280,6 +281,16 @@ class LocalTraining:
             self.optimizer.local_epoch, state_replaced=loads != self._state_loads_seen, missed=missed
         )
         self._state_loads_seen = loads
+        partial, self._partial_rounds_seen = self._partial_rounds() != self._partial_rounds_seen, self._partial_rounds()
+        if missed or partial:
+            # its shared parameters may not be the swarm's of this epoch: one outer step behind the peers that made
+            # the round, or apart from them by a groupmate's contribution it lacks. A joiner that counted it among
+            # its donors found their states different and took one donor's, perhaps this one (issue 30). The round
+            # agreement tells; its state is served again once that was followed (_follow_agreement).
+            why = "it dropped its last round" if missed else "its last round lacked a groupmate's contribution"
+            self.optimizer.state_averager.withhold_state(
+                f"{why}; its round agreement tells whether it holds the swarm's"
+            )
         if missed:
             # at once, not SETTLE_SECONDS later: the peers that made the round ended it before this peer's attempt
             # gave up, so their fingerprints are there. With none, nobody that serves its state made the round and
@@ -293,13 +304,27 @@ class LocalTraining:
     def learning_rate(self) -> float:
         return self.inner_optimizer.param_groups[0]["lr"]
 
+    def _partial_rounds(self) -> int:
+        """Rounds the averager took without every groupmate's contribution (sparse rounds count them)."""
+        counter = getattr(self.optimizer.grad_averager, "partial_results", None)
+        return 0 if counter is None else counter.value
+
     def _follow_agreement(self) -> None:
         """Read the last round's fingerprints; if this peer's shared parameters lost the vote, download the state
-        of a peer that won it (once; peer.swarm.agreement)."""
-        epoch, sources = self.agreement.check()
-        if not sources:
-            return
-        if self.optimizer.load_state_checked(only_from=frozenset(sources)):
+        of a peer that won it (once; peer.swarm.agreement). Its state is served again after: the winners' or its
+        own, which agreed (or, the download failed, which the next round pulls toward the others')."""
+        state_averager = self.optimizer.state_averager
+        try:
+            epoch, sources = self.agreement.check()
+            if not sources:
+                return
+            state_averager.withhold_state(
+                f"its shared parameters lost the round vote of epoch {epoch}; it takes the winners'"
+            )
+            loaded = self.optimizer.load_state_checked(only_from=frozenset(sources))
+        finally:
+            state_averager.serve_state_again()
+        if loaded:
             events.emit(
                 "state_loaded", epoch=self.optimizer.local_epoch, source="swarm", reason="disagreement", path=None
             )

@@ -12,9 +12,9 @@ from typing import Iterator
 import pytest
 import torch
 
-from peer.strategies import outer_momentum
+from peer.strategies import LocalTraining, outer_momentum
 from peer.swarm.config import CollaborationArguments, OptimizerArguments
-from peer.swarm.hivemind_seam import PseudoGradientAverager
+from peer.swarm.hivemind_seam import PseudoGradientAverager, StateWithheld
 from peer.swarm.keys import averager_prefixes, gradient_prefix_of_mode
 from peer.swarm.optimizer import make_inner_optimizer, make_outer_sgd, set_inner_learning_rate
 from tests.support.optimizers import loopback_optimizers
@@ -196,9 +196,105 @@ def test_a_round_whose_all_reduce_failed_is_dropped_not_stepped_alone(monkeypatc
         after = outer_momentum(optimizer)
         assert len(after) == len(momentum) and all(torch.equal(a, b) for a, b in zip(after, momentum))
         assert state_rounds == [False]
-        # the shared parameters it serves are the next epoch's (the dropped round changed nothing): labelled with the
-        # download's epoch, a joiner refuted this peer's epoch as a lie and ignored it for a minute
+        # had the other made the round, these shared parameters would be one outer step behind its state of the same
+        # epoch: nothing is served until the round agreement was followed (LocalTraining.end_epoch), and a peer
+        # asking over the wire is told so and gets nothing
+        with pytest.raises(StateWithheld, match="dropped its last round"):
+            optimizer.state_averager.get_current_state()
+        donor = frozenset({optimizer.dht.peer_id.to_bytes()})
+        assert not silent.load_state_checked(only_from=donor)
+        optimizer.state_averager.serve_state_again()
+        # then the shared parameters it serves are the next epoch's (the dropped round changed nothing): labelled with
+        # the download's epoch, a joiner refuted this peer's epoch as a lie and ignored it for a minute
         assert optimizer.state_averager.get_current_state()[0]["epoch"] == 1
+        assert silent.load_state_checked(only_from=donor) and silent.local_epoch == 1
+
+
+class _Vote:
+    """The round agreement's verdict, given (``peer.swarm.agreement`` tests how it is reached): this peer's shared
+    parameters lost the vote of ``epoch`` to ``winners`` (none: they agree)."""
+
+    def __init__(self, epoch: int, winners=()):
+        self.epoch, self.winners, self.ended = epoch, sorted(winners), []
+
+    def round_ended(self, epoch: int, **kwargs) -> None:
+        self.ended.append(epoch)
+
+    def pending(self) -> bool:
+        return False
+
+    def check(self):
+        return self.epoch, self.winners
+
+
+def _local_training(optimizer, model, inner, agreement) -> LocalTraining:
+    return LocalTraining(
+        optimizer=optimizer,
+        model=model,
+        inner_optimizer=inner,
+        agreement=agreement,
+        optimizer_args=OPTIM,
+        batch_size_per_step=BATCH,
+        stop_requested=threading.Event(),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_sparse_round_that_lacked_a_groupmates_contribution_withholds_the_state_until_the_vote_was_read():
+    """A sparse round taken without a groupmate's contribution (the averager counts it in ``partial_results``) may
+    leave this peer apart from the others: its state is not served until its round agreement was followed."""
+    collab = CollaborationArguments(
+        sync_mode="local", outer_compression="sparse", sparse_chunk=256, target_batch_size=64 * BATCH
+    )
+    with two_local_peers(collab, "local_mode_partial") as peers:
+        (model, optimizer, inner), _ = peers
+        vote = _Vote(0)
+        training = _local_training(optimizer, model, inner, vote)
+        training.end_epoch()  # a whole round: served
+        assert optimizer.state_averager.get_current_state()[0]["epoch"] == 0
+        with optimizer.grad_averager.partial_results.get_lock():
+            optimizer.grad_averager.partial_results.value += 1
+        training.end_epoch()
+        with pytest.raises(StateWithheld, match="lacked a groupmate's contribution"):
+            optimizer.state_averager.get_current_state()
+        training._follow_agreement()  # it agrees with the winner: its own state is the swarm's
+        assert optimizer.state_averager.get_current_state()[0]["epoch"] == 0
+        assert vote.ended == [0, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_trainer_that_lost_the_round_vote_serves_nothing_while_it_takes_the_winners_state():
+    """Its shared parameters are known to differ from the swarm's of the same epoch: a joiner that counted it among
+    its donors would find their states different and take one donor's, perhaps this one's. It withholds its state
+    while it downloads the winners' (a real download from the other peer), and serves again after."""
+    collab = CollaborationArguments(
+        sync_mode="local", target_batch_size=64 * BATCH, matchmaking_time=1.0, averaging_timeout=5.0
+    )
+    with two_local_peers(collab, "local_mode_lost_vote") as peers:
+        (model, optimizer, inner), (_, winner, _) = peers
+        served = [p for group in winner.state_averager.optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():
+            for param in served:
+                param.add_(1.0)  # the winner's state (its shared parameters): another than this peer's
+        seen_while_loading = []
+        load = optimizer.load_state_checked
+
+        def spying_load(**kwargs):
+            with pytest.raises(StateWithheld, match="lost the round vote of epoch 0") as refused:
+                optimizer.state_averager.get_current_state()
+            seen_while_loading.append(refused.value)
+            return load(**kwargs)
+
+        optimizer.load_state_checked = spying_load
+        training = _local_training(optimizer, model, inner, _Vote(0, [winner.dht.peer_id.to_bytes()]))
+        training._follow_agreement()
+        assert len(seen_while_loading) == 1 and optimizer.state_loads == 1
+        taken = [p for group in optimizer.state_averager.optimizer.param_groups for p in group["params"]]
+        for got, want in zip(taken, served):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert optimizer.state_averager.get_current_state()[0]["epoch"] == 0  # served again
 
 
 @pytest.mark.slow

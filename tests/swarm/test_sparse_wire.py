@@ -308,6 +308,8 @@ def test_sparse_rounds_at_the_defaults_keep_peers_equal_and_the_buffer_in_backup
 
     def backup_then_download(peers):
         (model, optimizer, _), (other_model, other, _) = peers
+        # every round heard both contributions: none counts as partial (a partial one withholds the state)
+        seen["partial"] = [peer.grad_averager.partial_results.value for peer in (optimizer, other)]
         feedback = optimizer.grad_averager.feedback
         owed = feedback.buffer.clone()
         assert save_backup(str(tmp_path), model, optimizer) is not None
@@ -324,4 +326,25 @@ def test_sparse_rounds_at_the_defaults_keep_peers_equal_and_the_buffer_in_backup
     for round_params in history:
         assert all(torch.equal(a, b) for a, b in zip(*round_params)), "both peers hold the same parameters"
     assert all(buffer.any() for buffer in buffers), "top-k left values out: they are owed"
-    assert seen == dict(restored=True, owed_before_download=True, downloaded=True, reset=True), seen
+    assert seen == dict(partial=[0, 0], restored=True, owed_before_download=True, downloaded=True, reset=True), seen
+
+
+def test_every_peer_takes_the_group_average_bit_for_bit_and_keeps_its_own_values_where_it_is_not_finite():
+    """Two peers whose own pseudo-gradients differ take the same averaged bits (``take_average``): hivemind's
+    own + (average - own) rounds differently on each, which left training donors' states 5e-7 apart (issue 30)."""
+    from peer.swarm.hivemind_seam.sparse_wire import take_average
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (1000,)]
+    own = [[torch.randn(shape, generator=generator) * scale for shape in shapes] for scale in (1e-3, 10.0)]
+    averaged = torch.randn(sum(torch.Size(shape).numel() for shape in shapes), generator=generator)
+    averaged[5] = float("nan")
+    hivemind_way = [torch.cat([t.reshape(-1) for t in tensors]) for tensors in own]
+    hivemind_way = [mine + (averaged - mine) for mine in hivemind_way]
+    finite = torch.isfinite(averaged)
+    assert not torch.equal(hivemind_way[0][finite], hivemind_way[1][finite])  # the rounding this test is about
+    for tensors in own:
+        kept = tensors[0].reshape(-1)[5].item()
+        assert take_average(tensors, averaged) == 1
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        assert torch.equal(flat[finite], averaged[finite]) and flat[5].item() == kept

@@ -65,7 +65,10 @@ Averaging (both averagers of hivemind.Optimizer)
   the reducer takes that encoding as its own result too; unmarked senders (an older peer) still get deltas, and an
   unmarked answer is turned into a result (own part + delta). The container returns results, not deltas
   (``return_deltas``), and ``_run_allreduce_inplace_`` copies them in, counting a round whose whole result it
-  took in ``whole_results`` (shared with the host process).
+  took in ``whole_results`` (shared with the host process). Local mode's pseudo-gradients take the same result
+  only over a lossless wire (``--compression none``, ``_exact_when_lossless``), without the rest: own + (average -
+  own) rounds differently on each peer, and the shared parameters drifted apart by float rounding. The sparse
+  all-gather (``sparse_wire.take_average``) copies the group's average in the same way.
 - ``own_part_as_sent`` (the state averager): a reducer averages its own part of a state round as the other reducers
   receive it (encoded, then decoded) and takes the exact delta from that part (``_average_own_shard``, the local
   branch of the private ``_communicate_with_peer``). hivemind averaged its exact part with the others' decoded
@@ -100,7 +103,9 @@ State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
   ``_get_current_state_from_host_process``.
 - ``load_state_from_peers`` / ``_update_scheduler`` (private) / ``step`` / ``get_current_state``: tell whether a
   download was applied (hivemind returns quietly when nobody answers), label the served state with the epoch its
-  parameters are really at, snapshot it under ``lock_optimizer`` and refuse to serve NaN/inf.
+  parameters are really at, snapshot it under ``lock_optimizer`` and refuse to serve NaN/inf, or a state the host
+  withholds (``withhold_state``: a local-mode trainer that dropped a round or lost the round vote, until its round
+  agreement has been followed; joiners are answered ``withheld`` and ask again).
 
 Round results (``round_result``: ``RoundResultSharing``, mixed into ``LeanHiveGradientAverager``)
 - ``load_accumulators_into_averager_`` (override, ``GradientAverager``): marks the averaged tensors as no longer
@@ -260,6 +265,7 @@ from peer.swarm.hivemind_seam.dht import (
     routing_table_peers,
 )
 from peer.swarm.hivemind_seam.progress import DOWNLOAD_EPOCH_LEAD, LeanHiveProgressTracker, read_consensus_epoch
+from peer.swarm.hivemind_seam.state_transfer import StateWithheld
 from peer.swarm.hivemind_seam.timing import PHASES, ROUND_EVENTS, observe_phases, observe_rounds
 from peer.swarm.hivemind_seam.traffic import observe_traffic
 
@@ -284,6 +290,7 @@ __all__ = [
     "PseudoGradientAverager",
     "RecordSizeValidator",
     "StateDownloadSettings",
+    "StateWithheld",
     "SwarmKeyValidator",
     "authorized_peer_ids",
     "download_epoch_bound",

@@ -18,7 +18,7 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import NoCompression, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
@@ -38,7 +38,7 @@ from peer.swarm.hivemind_seam.progress import (
     read_consensus_epoch,
 )
 from peer.swarm.hivemind_seam.round_result import NORM_FACTOR, RoundResultSharing, fetch_seconds
-from peer.swarm.hivemind_seam.state_transfer import NoPartDonors, PartedStateTransfer, close_stream
+from peer.swarm.hivemind_seam.state_transfer import NoPartDonors, PartedStateTransfer, StateWithheld, close_stream
 from peer.swarm.hivemind_seam.timing import report_round, round_outcome, timed_allreduce, timed_phase
 from peer.swarm.keys import outer_averager_prefix, state_averager_prefix
 from peer.swarm.robust import (
@@ -136,9 +136,17 @@ class BoundedAllReduceRunner(AllReduceRunner):
     (tests/swarm/test_same_result.py); gradients of different batches differ more than that, and the delta's range
     is then no narrower. An older reducer's delta is turned into a result here (own part + delta)."""
 
-    def __init__(self, *, clip_factor: float, same_result: bool = False, own_part_as_sent: bool = False, **kwargs):
+    def __init__(
+        self,
+        *,
+        clip_factor: float,
+        same_result: bool = False,
+        own_part_as_sent: bool = False,
+        client_floor: bool = True,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
-        if same_result and self.sender_timeout is not None:
+        if same_result and client_floor and self.sender_timeout is not None:
             # a reducer answers a part once every sender's part arrived or its sender was banned, which for a client
             # takes up to CLIENT_START_TIMEOUTS sender_timeouts (_handle_missing_senders); hivemind's reducer_timeout
             # (2 x sender_timeout) equalled that, so when a client of the group died the full peers gave up on each
@@ -475,10 +483,14 @@ class _PolicyAveraging:
     ):
         """hivemind's DecentralizedAverager._run_allreduce_inplace_ with the bounded runner and a finiteness check."""
         group_id = group_info.group_id if group_id is None else group_id
+        # a lossless wire (--compression none) sends local mode's result itself too: every peer then takes the
+        # group's very bits, where own + (average - own) rounds differently on each (see _exact_when_lossless)
+        exact = self._exact_when_lossless and isinstance(kwargs.get("compression"), NoCompression)
         runner = BoundedAllReduceRunner(
             clip_factor=self.policy.contribution_clip,
-            same_result=self._same_result,
+            same_result=self._same_result or exact,
             own_part_as_sent=self._own_part_as_sent,
+            client_floor=self._same_result,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -536,7 +548,7 @@ class _PolicyAveraging:
             if self._others_data_needed and others and not runner.heard_from(others):
                 raise AllreduceException("no other member of the group sent data: this peer's result is its own")
             whole = received == len(tensors) and not (refused or bounded or container.failed_size)
-            if runner.same_result:  # the group's very bits (not own + delta, as in local mode)
+            if self._same_result:  # the group's very bits (not own + delta, as in local mode)
                 # no other member sent data: every part, averaged or kept, is this peer's own gradient, and that is
                 # its round's result even where a reducer failed (an assisting aux's own part came late, "received
                 # 56.9% results"; a client that found no group then had no result to take and stepped apart)
@@ -580,6 +592,14 @@ class _PolicyAveraging:
     _same_result = False
     """Every peer takes the group's encoded average itself (``BoundedAllReduceRunner``): for gradients. The state
     averager keeps hivemind's deltas: an encoded absolute parameter would lose the precision a delta keeps."""
+    _exact_when_lossless = False
+    """With a lossless wire (``NoCompression``) the reducers answer the result itself, not a delta, so every peer of
+    a round holds the same bits (``BoundedAllReduceRunner``'s ``same_result``, without the rest of what ``_same_result``
+    brings: round results, whole-round bookkeeping, the client floor of reducer_timeout). For local mode's
+    pseudo-gradients: own + (average - own) rounds differently on each peer, and the peers' shared parameters
+    drifted about 5e-7 apart, so training donors never served the same state (issue 30); it also keeps the sparse
+    wire at density 1 and 32 bits (which takes the average itself, ``sparse_wire.take_average``) bit for bit
+    equal to it."""
     _own_part_as_sent = False
     """A reducer averages its own part as the others receive it (``BoundedAllReduceRunner._average_own_shard``): for
     the state, whose peers hold the same tensors whenever they took the same rounds."""
@@ -795,6 +815,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         self._local_layout: Optional[Tuple[list, dict]] = None  # see _layout
         self.step_with_next_epoch = False  # host process: see LeanHiveOptimizer._round_was_whole
         self.drop_next_round = False  # host process: see step
+        self._withheld: Optional[str] = None  # host process: why this peer's state is not served now (withhold_state)
         self.auxiliary_steps = 0  # host process: optimizer steps an auxiliary peer took that way
         # set in the averager process before each download (``_set_download_bound``): the epochs a downloaded state
         # may carry (None: no bound), the progress key that re-reads the consensus, the peers it may come from
@@ -1032,7 +1053,10 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         snapshot is taken under lock_optimizer (which the step holds until it has updated the epoch) and cloned.
         """
         if self._rejoining:
-            raise ValueError("not sharing this peer's state: it is taking the swarm's (it trained apart from it)")
+            raise StateWithheld("not sharing this peer's state: it is taking the swarm's (it trained apart from it)")
+        withheld = self._withheld
+        if withheld is not None:
+            raise StateWithheld(f"not sharing this peer's state: {withheld}")
         with self.lock_optimizer:
             metadata, tensors, infos = super().get_current_state()
             tensors = [tensor.clone() for tensor in tensors]
@@ -1041,7 +1065,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         if not _finite_floats(tensors):
             # a peer whose parameters just went bad is recovering; hivemind turns this error into a failed
             # download for the asking peer, which then asks another peer
-            raise ValueError("not sharing this peer's state: it has NaN/inf values (the peer is recovering)")
+            raise StateWithheld("not sharing this peer's state: it has NaN/inf values (the peer is recovering)")
         return metadata, tensors, infos
 
     def step(self, *args, increment_epoch: bool = False, optimizer_step: bool = False, **kwargs):
@@ -1065,10 +1089,23 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
                 # kept the label of the last download, and a joiner refuted this peer's epoch as a lie, ignored it
                 # for 60 s and stepped alone (the local pair test on a busy machine, 0.7 to 11.5 apart)
                 self._params_epoch = None
+                # ...unless the others made the round: then these are the round's start, one outer step behind the
+                # others' state of the same epoch, and a joiner that counted this peer among its donors found their
+                # states different and took one donor's (the home test-bed, issue 30). The round agreement tells;
+                # the trainer serves again once it has followed it (peer.strategies.LocalTraining.end_epoch).
+                self.withhold_state("it dropped its last round; its round agreement tells whether the others made it")
             kwargs = self._without_state_round(kwargs)
         if increment_epoch and optimizer_step and self._params_epoch is None:
             self._params_epoch = self.local_epoch  # until _update_scheduler, after the step, under lock_optimizer
         return super().step(*args, increment_epoch=increment_epoch, optimizer_step=optimizer_step, **kwargs)
+
+    def withhold_state(self, reason: str) -> None:
+        """Serve no state (joiners, aux checkpoints) until ``serve_state_again``: this peer's state may not be the
+        swarm's of its epoch (``reason`` says why; joiners are told ``withheld`` and ask again or ask others)."""
+        self._withheld = reason
+
+    def serve_state_again(self) -> None:
+        self._withheld = None
 
     @staticmethod
     def _without_state_round(kwargs: dict) -> dict:
@@ -1085,6 +1122,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         """The parameters and statistics were just replaced by a state of ``epoch`` (a checkpoint, a backup)."""
         self.local_epoch = epoch
         self._params_epoch = None
+        self._withheld = None
 
     def load_state_from_peers(
         self,
@@ -1137,6 +1175,7 @@ class LeanHiveStateAverager(_PolicyAveraging, PartedStateTransfer, TrainingState
         if self._loading:
             self.applied_epoch = self.local_epoch
             self._params_epoch = self.local_epoch  # hivemind.Optimizer may bump local_epoch right after
+            self._withheld = None  # the state is now the one the swarm served
         else:
             self._params_epoch = None
         if self.scheduler is not None and self.scheduler._step_count > self.local_epoch + 1:
@@ -1176,6 +1215,7 @@ class PseudoGradientAverager(LeanHiveGradientAverager):
 
     _bound_two_peer_rounds = False
     _same_result = False  # not measured in local mode yet; its round agreement (peer.swarm.agreement) repairs drift
+    _exact_when_lossless = True
     _others_data_needed = True
     # The two-peer bound of gradients (``bound_two_peer_update``) bounds each receiver by its own contribution, so
     # the two peers of a round apply different results: harmless for one gradient step, but here it leaves their

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
 from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -309,6 +310,10 @@ class SparsePseudoGradientAverager(PseudoGradientAverager):
         self.codec = SparseCodec(total=sum(p.numel() for p in parameters), density=density, bits=bits, chunk=chunk)
         # in shared memory before hivemind forks the averager process
         self.feedback = ErrorFeedback(self.codec, decay=feedback_decay).share_memory()
+        self.partial_results = mp.Value("q", 0)
+        """Rounds this peer took without every groupmate's contribution (one not heard from or refused) or with
+        NaN/inf averaged values: its result may differ from the others' (shared with the host process, whose
+        trainer withholds its state until the round agreement was followed, ``peer.strategies.LocalTraining``)."""
         super().__init__(parameters, **kwargs)
 
     @timed_allreduce
@@ -341,26 +346,43 @@ class SparsePseudoGradientAverager(PseudoGradientAverager):
         gathered = await runner.run()
         if aux:
             return
-        averaged = await loop.run_in_executor(None, self._aggregate, gathered, own)
-        offset, refused = 0, 0
-        for tensor in tensors:
-            size = tensor.numel()
-            update = averaged[offset : offset + size].view_as(tensor).to(tensor.dtype) - tensor
-            offset += size
-            refused += keep_local_where_not_finite(update)
-            tensor.add_(update, alpha=self._averaging_alpha)
+        averaged, refused_peers = await loop.run_in_executor(None, self._aggregate, gathered, own)
+        refused = take_average(tensors, averaged, self._averaging_alpha)
         if refused:
             logger.warning("Sparse averaging: %d NaN/inf averaged values; kept the local values there", refused)
+        if refused or refused_peers or len(gathered) < len(runner.senders):
+            with self.partial_results.get_lock():
+                self.partial_results.value += 1
         self.feedback.commit(residual)  # the round succeeded: what was sent is no longer owed
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
-    def _aggregate(self, gathered, own: torch.Tensor) -> torch.Tensor:
+    def _aggregate(self, gathered, own: torch.Tensor) -> Tuple[torch.Tensor, List[PeerID]]:
         sizes = [parameter.numel() for parameter in self.parameters]
-        averaged, _ = aggregate_contributions(
-            self.codec, gathered, self.peer_id, own, sizes, self.policy.contribution_clip
-        )
-        return averaged
+        return aggregate_contributions(self.codec, gathered, self.peer_id, own, sizes, self.policy.contribution_clip)
+
+
+def take_average(tensors: Sequence[torch.Tensor], averaged: torch.Tensor, alpha: float = 1.0) -> int:
+    """Put the group's ``averaged`` (flat) into ``tensors`` (this peer's contribution), keeping the local values where
+    it is not finite; returns how many were kept.
+
+    With ``alpha`` 1 every tensor becomes the group's very bits: hivemind's own + (average - own) rounds differently
+    on each peer, which left the training peers' shared parameters about 5e-7 apart after rounds that all succeeded,
+    so no two of them served the same state and a joiner could take it from one donor only (issue 30)."""
+    offset, refused = 0, 0
+    for tensor in tensors:
+        size = tensor.numel()
+        result = averaged[offset : offset + size].view_as(tensor).to(tensor.dtype)
+        offset += size
+        if alpha == 1:
+            bad = ~torch.isfinite(result)
+            refused += int(bad.sum())
+            tensor.copy_(torch.where(bad, tensor, result))
+        else:
+            update = result - tensor
+            refused += keep_local_where_not_finite(update)
+            tensor.add_(update, alpha=alpha)
+    return refused
 
 
 def aggregate_contributions(

@@ -64,7 +64,12 @@ LAGGING_ASK_EVERY = 1.5
 
 
 class PartRefused(Exception):
-    """A donor answered a part request with ``busy`` or ``gone``."""
+    """A donor answered a part request with ``busy``, ``gone`` or ``withheld``."""
+
+
+class StateWithheld(ValueError):
+    """This peer does not serve its state now (the message says why); a joiner is told ``withheld`` and asks again
+    after a pause, as when a donor is busy. Raised by the host's ``get_current_state``."""
 
 
 class NoPartDonors(Exception):
@@ -139,7 +144,13 @@ class PartedStateTransfer:
             return
         part = ask.get("part")
         if part is None:
-            snapshot = await self._serving_snapshot()
+            try:
+                snapshot = await self._serving_snapshot()
+            except StateWithheld as e:
+                logger.info("Not serving the state to %s now: %s", joiner, e)
+                self._joiners.pop(joiner, None)
+                yield self._answer(status="withheld")
+                return
             yield self._answer(status="ok", manifest=snapshot.manifest.to_dict(), metadata=snapshot.metadata_bytes)
             return
         snapshot = self._snapshots.get(ask.get("root"))
