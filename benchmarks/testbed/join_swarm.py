@@ -211,7 +211,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name, ok in verdict.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
     print(f"  logs in {folder}")
-    command = "sudo .venv/bin/python -m benchmarks.testbed.join_swarm " + " ".join(
+    command = "sudo .venv/bin/python -m benchmarks.testbed.join_swarm " + shlex.join(
         sys.argv[1:] if argv is None else argv
     )
     record = {

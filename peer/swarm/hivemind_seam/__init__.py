@@ -104,8 +104,9 @@ State averager (``LeanHiveStateAverager(TrainingStateAverager)``)
 - ``load_state_from_peers`` / ``_update_scheduler`` (private) / ``step`` / ``get_current_state``: tell whether a
   download was applied (hivemind returns quietly when nobody answers), label the served state with the epoch its
   parameters are really at, snapshot it under ``lock_optimizer`` and refuse to serve NaN/inf, or a state the host
-  withholds (``withhold_state``: a local-mode trainer that dropped a round or lost the round vote, until its round
-  agreement has been followed; joiners are answered ``withheld`` and ask again).
+  withholds (``withhold_state``: a local-mode trainer that dropped a round, took a sparse round without a
+  groupmate's contribution or lost the round vote, until its round agreement has been followed; joiners are answered
+  ``withheld`` and ask again).
 
 Round results (``round_result``: ``RoundResultSharing``, mixed into ``LeanHiveGradientAverager``)
 - ``load_accumulators_into_averager_`` (override, ``GradientAverager``): marks the averaged tensors as no longer
