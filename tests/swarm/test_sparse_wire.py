@@ -339,10 +339,14 @@ def test_every_peer_takes_the_group_average_bit_for_bit_and_keeps_its_own_values
     own = [[torch.randn(shape, generator=generator) * scale for shape in shapes] for scale in (1e-3, 10.0)]
     averaged = torch.randn(sum(torch.Size(shape).numel() for shape in shapes), generator=generator)
     averaged[5] = float("nan")
+    kept0 = own[0][0].reshape(-1)[5].item()
     hivemind_way = [torch.cat([t.reshape(-1) for t in tensors]) for tensors in own]
     hivemind_way = [mine + (averaged - mine) for mine in hivemind_way]
     finite = torch.isfinite(averaged)
     assert not torch.equal(hivemind_way[0][finite], hivemind_way[1][finite])  # the rounding this test is about
+    lossless = [t.clone() for t in own[0]]  # density 1 with 32 bits: dense local mode's own + delta, bit for bit
+    assert take_average(lossless, averaged, exact=False) == 1
+    assert torch.equal(torch.cat([t.reshape(-1) for t in lossless]), torch.nan_to_num(hivemind_way[0], nan=kept0))
     for tensors in own:
         kept = tensors[0].reshape(-1)[5].item()
         assert take_average(tensors, averaged) == 1

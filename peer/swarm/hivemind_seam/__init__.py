@@ -65,10 +65,9 @@ Averaging (both averagers of hivemind.Optimizer)
   the reducer takes that encoding as its own result too; unmarked senders (an older peer) still get deltas, and an
   unmarked answer is turned into a result (own part + delta). The container returns results, not deltas
   (``return_deltas``), and ``_run_allreduce_inplace_`` copies them in, counting a round whose whole result it
-  took in ``whole_results`` (shared with the host process). Local mode's pseudo-gradients take the same result
-  only over a lossless wire (``--compression none``, ``_exact_when_lossless``), without the rest: own + (average -
-  own) rounds differently on each peer, and the shared parameters drifted apart by float rounding. The sparse
-  all-gather (``sparse_wire.take_average``) copies the group's average in the same way.
+  took in ``whole_results`` (shared with the host process). The sparse all-gather of local mode copies the group's
+  average in the same way (``sparse_wire.take_average``; not at density 1 with 32 bits, which equals dense local
+  mode's own + delta bit for bit).
 - ``own_part_as_sent`` (the state averager): a reducer averages its own part of a state round as the other reducers
   receive it (encoded, then decoded) and takes the exact delta from that part (``_average_own_shard``, the local
   branch of the private ``_communicate_with_peer``). hivemind averaged its exact part with the others' decoded

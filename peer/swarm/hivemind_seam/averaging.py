@@ -18,7 +18,7 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
-from hivemind.compression import NoCompression, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
@@ -136,17 +136,9 @@ class BoundedAllReduceRunner(AllReduceRunner):
     (tests/swarm/test_same_result.py); gradients of different batches differ more than that, and the delta's range
     is then no narrower. An older reducer's delta is turned into a result here (own part + delta)."""
 
-    def __init__(
-        self,
-        *,
-        clip_factor: float,
-        same_result: bool = False,
-        own_part_as_sent: bool = False,
-        client_floor: bool = True,
-        **kwargs,
-    ):
+    def __init__(self, *, clip_factor: float, same_result: bool = False, own_part_as_sent: bool = False, **kwargs):
         super().__init__(**kwargs)
-        if same_result and client_floor and self.sender_timeout is not None:
+        if same_result and self.sender_timeout is not None:
             # a reducer answers a part once every sender's part arrived or its sender was banned, which for a client
             # takes up to CLIENT_START_TIMEOUTS sender_timeouts (_handle_missing_senders); hivemind's reducer_timeout
             # (2 x sender_timeout) equalled that, so when a client of the group died the full peers gave up on each
@@ -483,15 +475,10 @@ class _PolicyAveraging:
     ):
         """hivemind's DecentralizedAverager._run_allreduce_inplace_ with the bounded runner and a finiteness check."""
         group_id = group_info.group_id if group_id is None else group_id
-        # a lossless wire (--compression none) sends local mode's result itself too: every peer then takes the
-        # group's very bits, where own + (average - own) rounds differently on each (see _exact_when_lossless)
-        exact = self._exact_when_lossless and isinstance(kwargs.get("compression"), NoCompression)
-        exact = exact and not self.client_mode  # see _exact_when_lossless
         runner = BoundedAllReduceRunner(
             clip_factor=self.policy.contribution_clip,
-            same_result=self._same_result or exact,
+            same_result=self._same_result,
             own_part_as_sent=self._own_part_as_sent,
-            client_floor=self._same_result,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -549,7 +536,7 @@ class _PolicyAveraging:
             if self._others_data_needed and others and not runner.heard_from(others):
                 raise AllreduceException("no other member of the group sent data: this peer's result is its own")
             whole = received == len(tensors) and not (refused or bounded or container.failed_size)
-            if self._same_result:  # the group's very bits (not own + delta, as in local mode)
+            if runner.same_result:  # the group's very bits (not own + delta, as in local mode)
                 # no other member sent data: every part, averaged or kept, is this peer's own gradient, and that is
                 # its round's result even where a reducer failed (an assisting aux's own part came late, "received
                 # 56.9% results"; a client that found no group then had no result to take and stepped apart)
@@ -593,17 +580,6 @@ class _PolicyAveraging:
     _same_result = False
     """Every peer takes the group's encoded average itself (``BoundedAllReduceRunner``): for gradients. The state
     averager keeps hivemind's deltas: an encoded absolute parameter would lose the precision a delta keeps."""
-    _exact_when_lossless = False
-    """With a lossless wire (``NoCompression``) the reducers answer the result itself, not a delta, so every peer of
-    a round holds the same bits (``BoundedAllReduceRunner``'s ``same_result``, without the rest of what ``_same_result``
-    brings: round results, whole-round bookkeeping, the client floor of reducer_timeout). For local mode's
-    pseudo-gradients: own + (average - own) rounds differently on each peer, and the peers' shared parameters
-    drifted about 5e-7 apart, so training donors never served the same state (issue 30); it also keeps the sparse
-    wire at density 1 and 32 bits (which takes the average itself, ``sparse_wire.take_average``) bit for bit
-    equal to it. Not for a client, which serves no state: a full trainer and a client that asked for results lost
-    more rounds (the local-mode aux checkpoint test, client variant: 4 of 6 runs failed, against 1 of 3 with deltas,
-    and 1 of 5 with the client left out, that one a client that found no group in any round; not understood yet),
-    and its own rounding keeps it within 1e-7 of the others."""
     _own_part_as_sent = False
     """A reducer averages its own part as the others receive it (``BoundedAllReduceRunner._average_own_shard``): for
     the state, whose peers hold the same tensors whenever they took the same rounds."""
@@ -1219,7 +1195,6 @@ class PseudoGradientAverager(LeanHiveGradientAverager):
 
     _bound_two_peer_rounds = False
     _same_result = False  # not measured in local mode yet; its round agreement (peer.swarm.agreement) repairs drift
-    _exact_when_lossless = True
     _others_data_needed = True
     # The two-peer bound of gradients (``bound_two_peer_update``) bounds each receiver by its own contribution, so
     # the two peers of a round apply different results: harmless for one gradient step, but here it leaves their

@@ -347,7 +347,9 @@ class SparsePseudoGradientAverager(PseudoGradientAverager):
         if aux:
             return
         averaged, refused_peers = await loop.run_in_executor(None, self._aggregate, gathered, own)
-        refused = take_average(tensors, averaged, self._averaging_alpha)
+        # lossless (density 1, 32 bits): today's dense local mode, own + (average - own), bit for bit (the proof)
+        exact = not (self.codec.density == 1.0 and self.codec.bits == 32)
+        refused = take_average(tensors, averaged, self._averaging_alpha, exact=exact)
         if refused:
             logger.warning("Sparse averaging: %d NaN/inf averaged values; kept the local values there", refused)
         if refused or refused_peers or len(gathered) < len(runner.senders):
@@ -362,19 +364,23 @@ class SparsePseudoGradientAverager(PseudoGradientAverager):
         return aggregate_contributions(self.codec, gathered, self.peer_id, own, sizes, self.policy.contribution_clip)
 
 
-def take_average(tensors: Sequence[torch.Tensor], averaged: torch.Tensor, alpha: float = 1.0) -> int:
+def take_average(
+    tensors: Sequence[torch.Tensor], averaged: torch.Tensor, alpha: float = 1.0, *, exact: bool = True
+) -> int:
     """Put the group's ``averaged`` (flat) into ``tensors`` (this peer's contribution), keeping the local values where
     it is not finite; returns how many were kept.
 
-    With ``alpha`` 1 every tensor becomes the group's very bits: hivemind's own + (average - own) rounds differently
-    on each peer, which left the training peers' shared parameters about 5e-7 apart after rounds that all succeeded,
-    so no two of them served the same state and a joiner could take it from one donor only (issue 30)."""
+    ``exact`` (with ``alpha`` 1): every tensor becomes the group's very bits. hivemind's own + (average - own), which
+    dense local mode applies, rounds differently on each peer: the training peers of the home test-bed were about
+    5e-7 apart after rounds that all succeeded, so no two of them served the same state and a joiner could take it
+    from one donor only (issue 30). Without ``exact`` the update is applied as dense local mode applies it, which the
+    lossless setting (density 1, 32 bits) must equal bit for bit."""
     offset, refused = 0, 0
     for tensor in tensors:
         size = tensor.numel()
         result = averaged[offset : offset + size].view_as(tensor).to(tensor.dtype)
         offset += size
-        if alpha == 1:
+        if exact and alpha == 1:
             bad = ~torch.isfinite(result)
             refused += int(bad.sum())
             tensor.copy_(torch.where(bad, tensor, result))
