@@ -281,7 +281,8 @@ class LocalTraining:
             self.optimizer.local_epoch, state_replaced=loads != self._state_loads_seen, missed=missed
         )
         self._state_loads_seen = loads
-        partial, self._partial_rounds_seen = self._partial_rounds() != self._partial_rounds_seen, self._partial_rounds()
+        partial_rounds = self._partial_rounds()
+        partial, self._partial_rounds_seen = partial_rounds != self._partial_rounds_seen, partial_rounds
         if missed or partial:
             # its shared parameters may not be the swarm's of this epoch: one outer step behind the peers that made
             # the round, or apart from them by a groupmate's contribution it lacks. A joiner that counted it among
