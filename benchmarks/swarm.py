@@ -31,11 +31,12 @@ import logging
 import math
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.report import markdown_table
 from benchmarks.swarm_lib import (
@@ -131,6 +132,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--from_json", type=Path, help="run nothing: print the table (and plot) of saved --json rows")
     parser.add_argument(
+        "--from_record",
+        type=lambda text: [Path(part) for part in text.split(",")],
+        default=[],
+        help="run nothing: comma-separated recorded runs (benchmarks/measured/*.json) whose rows come first, read "
+        "back from their tables (with --from_json: a new row next to recorded ones, e.g. in one --pareto)",
+    )
+    parser.add_argument(
         "--measure_from",
         type=int,
         help="samples after which every row is measured (default: the largest round of --modes); give the whole "
@@ -156,12 +164,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for name in args.modes:
         if name not in MODES:
             parser.error(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
-    if "solo" not in args.modes and not args.from_json:
+    replay = args.from_json or args.from_record
+    if "solo" not in args.modes and not replay:
         logger.warning("No solo row in --modes: efficiency is not computed (compute share, bytes and loss are)")
     problem = settings_from(args).check(args.modes)
-    if problem and not args.from_json:
+    if problem and not replay:
         parser.error(problem)
-    if args.measure_from is not None and not args.from_json:
+    if args.measure_from is not None and not replay:
         settings = settings_from(args)
         uneven = [m for m in args.modes if args.measure_from % settings.round_size(m)]
         if uneven or not 0 < args.measure_from < settings.total_samples:
@@ -423,6 +432,66 @@ def rows_from_json(path: Path) -> List[Row]:
     return [Row(**{k: v for k, v in item.items() if k in known}) for item in json.loads(path.read_text())]
 
 
+_RECORDED_BREAKDOWN = dict(
+    zip(("compute", "blocked", "matchmaking", "grad all-reduce", "state avg", "opt step", "downloads"), BREAKDOWN)
+)
+_CURVE_CELL = re.compile(r"(?P<loss>[\d.]+) \((?P<samples>[\d.]+)k\)")
+
+
+def _recorded_number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def rows_from_record(path: Path) -> List[Row]:
+    """The rows of a recorded run (``benchmarks/measured/*.json``: its ``main`` table, and ``curve`` and ``uplink``
+    where recorded), read back at the precision the tables print, so that a figure can hold rows whose ``--json``
+    is gone next to new ones. Validation points carry the samples trained by then to 0.1k, as the curve table."""
+    try:
+        return _rows_of_tables(json.loads(path.read_text())["tables"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"{path} is not a recorded run of this benchmark ({type(e).__name__}: {e}): give a "
+            "benchmarks/measured/swarm_*.json whose 'main' table benchmarks.docs --record stored"
+        ) from e
+
+
+def _rows_of_tables(tables: dict) -> List[Row]:
+    columns = [c["name"] for c in tables["main"]["columns"]]
+    rows: Dict[Tuple[str, str], Row] = {}
+    for cells in tables["main"]["rows"]:
+        item = dict(zip(columns, cells))
+        number = {name: _recorded_number(value) for name, value in item.items()}
+        mode = str(item["mode"]).replace(" (oversubscribed)", "")
+        row = Row(link=item["link"], mode=mode, peers=int(item["peers"]))
+        row.round_samples = int(number["round"]) if math.isfinite(number["round"]) else 0
+        row.local_steps, row.samples_per_second = number["H"], number["samples/s"]
+        row.efficiency, row.compute_share = number["efficiency"], number["compute share"]
+        row.bytes_per_sample, row.bound_bytes_per_sample = 1e3 * number["KB/sample/peer"], 1e3 * number["bound KB"]
+        row.seconds_per_epoch, row.validation_loss = number["s/epoch"], number["val loss"]
+        row.breakdown = {key: number[name] for name, key in _RECORDED_BREAKDOWN.items() if name in number}
+        row.curve = [dict(epoch=-1, samples=number["samples"], seconds=math.nan, loss=math.nan)]
+        rows[row.link, row.mode] = row
+    curve = tables.get("curve")
+    for cells in curve["rows"] if curve else []:
+        row = rows[cells[0], cells[1]]
+        nominal = [int(c["name"].removeprefix("@ ")) for c in curve["columns"][2:]]
+        points = [(n, m) for n, m in zip(nominal, (_CURVE_CELL.fullmatch(str(c)) for c in cells[2:])) if m]
+        # an epoch entry per point, so that validation_points() gives the samples trained (not the nominal ones)
+        trained = [
+            dict(epoch=i, samples=1e3 * float(m["samples"]), seconds=math.nan, loss=math.nan)
+            for i, (_, m) in enumerate(points)
+        ]
+        row.curve = trained + row.curve
+        row.val_curve = [dict(epoch=i, samples=n, loss=float(m["loss"])) for i, (n, m) in enumerate(points)]
+    uplink = tables.get("uplink")
+    for cells in uplink["rows"] if uplink else []:
+        item = dict(zip((c["name"] for c in uplink["columns"]), cells))
+        row = rows[item["link"], item["mode"]]
+        row.mean_upload_mbit = _recorded_number(item["mean up (Mbit/s)"])
+        row.peak_upload_mbit = _recorded_number(item["peak up (Mbit/s, ~1 s)"])
+    return list(rows.values())
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -517,8 +586,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         level=os.environ.get("LEANHIVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     args = parse_args(argv)
-    if args.from_json:
-        rows = rows_from_json(args.from_json)
+    if args.from_json or args.from_record:
+        try:
+            rows = [row for path in args.from_record for row in rows_from_record(path)]
+            rows += rows_from_json(args.from_json) if args.from_json else []
+        except (OSError, ValueError) as e:
+            logger.error("%s", e)
+            return 2
         print_tables(rows)
         write_plot(rows, args.plot)
         if args.pareto:

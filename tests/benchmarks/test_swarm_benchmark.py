@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.swarm import against_sync, curve_table, parse_args, table, uplink_table
+from benchmarks.swarm import against_sync, curve_table, parse_args, rows_from_record, table, uplink_table
 from benchmarks.swarm_lib import (
     CounterSampler,
     Row,
@@ -164,6 +164,39 @@ def test_tables_compare_every_mode_with_sync():
     solo = Row(link="any", mode="solo", peers=1, compute_share=0.96)
     assert "| 0.93 | 0.94 | 0.90 |" in against_sync([solo, sync, local])
     assert "| 0.93 | 0.94 | 0.90 |" in table([solo, sync, local])
+
+
+def test_a_recorded_run_is_read_back_into_the_rows_its_tables_print(tmp_path):
+    """A figure can hold rows whose --json is gone (only their recorded tables are kept) next to new rows."""
+    from benchmarks.docs import parse_markdown_tables
+
+    sync = Row(link="home_asym", mode="sync", peers=2, round_samples=256, bytes_per_sample=802912.0)
+    sync.bound_bytes_per_sample, sync.samples_per_second, sync.compute_share = 375312.0, 3.761, 0.449
+    sync.seconds_per_epoch, sync.validation_loss, sync.breakdown = 77.8, 6.6913, {"compute": 34.7, "blocked": 40.3}
+    sync.curve = [dict(epoch=e, samples=1190.0 * (e + 1), seconds=60.0 * e, loss=7.0) for e in range(8)]
+    sync.val_curve = [dict(epoch=e, samples=1024 * (e + 1), loss=7.7 - 0.1 * e) for e in range(8)]
+    sparse = Row(link="home_asym", mode="local_sparse_x8", peers=3, round_samples=2048, local_steps=32.0)
+    sparse.bytes_per_sample, sparse.bound_bytes_per_sample, sparse.validation_loss = 3190.0, 53100.0, 6.506
+    sparse.mean_upload_mbit, sparse.peak_upload_mbit, sparse.compute_share = 0.1, 8.56, 0.85
+    sparse.curve = [dict(epoch=e, samples=2064.0 * (e + 1), seconds=240.0 * e, loss=7.0) for e in range(4)]
+    sparse.val_curve = [dict(epoch=e, samples=2048 * (e + 1), loss=7.8 - 0.4 * e) for e in range(4)]
+    printed = [table([sync, sparse]), curve_table([sync, sparse]), uplink_table([sync, sparse])]
+    tables = dict(zip(("main", "curve", "uplink"), parse_markdown_tables("\n\n".join(printed))))
+    (tmp_path / "run.json").write_text(json.dumps(dict(command="c", date="2026-12-02", tables=tables)))
+    rows = rows_from_record(tmp_path / "run.json")
+    assert [(r.mode, r.peers) for r in rows] == [("sync", 2), ("local_sparse_x8", 3)]  # "(oversubscribed)" dropped
+    assert [table(rows), curve_table(rows), uplink_table(rows)] == printed
+    # what the tables print rounded is compared rounded: the bytes to 0.1 KB, the samples trained by each validation
+    # point to 0.1k (sync's loss there is read off its curve at the sparse row's 8256 samples)
+    assert rows[1].samples_trained == 8256 and rows[0].validation_points()[0] == (1200.0, 7.7)
+    read_back, measured = (against_sync(r).splitlines()[2].split(" | ") for r in (rows, [sync, sparse]))
+    assert read_back[:3] + read_back[4:6] + read_back[7:] == measured[:3] + measured[4:6] + measured[7:]
+    assert float(read_back[3]) == pytest.approx(float(measured[3]), rel=0.01)
+    assert float(read_back[6]) == pytest.approx(float(measured[6]), abs=0.005)
+    # a file that is not a recorded run of this benchmark is refused with what to give instead
+    (tmp_path / "other.json").write_text(json.dumps(dict(command="c", tables={"rows": {}})))
+    with pytest.raises(ValueError, match="not a recorded run of this benchmark"):
+        rows_from_record(tmp_path / "other.json")
 
 
 def test_saved_parameters_are_evaluated(tmp_path):
