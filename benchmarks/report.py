@@ -144,6 +144,11 @@ def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value / scale:.{digits}f}"
 
 
+def path_list(text: str) -> list[Path]:
+    """An argparse type: comma-separated files (the saved rows of several runs printed as one table)."""
+    return [Path(part) for part in text.split(",") if part]
+
+
 def markdown_table(header: list[str], lines: list[list[str]]) -> str:
     """A markdown table of already formatted cells (every benchmark's printed table)."""
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]

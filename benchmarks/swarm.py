@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.report import markdown_table
+from benchmarks.report import markdown_table, path_list
 from benchmarks.swarm_lib import (
     BREAKDOWN,
     LINKS,
@@ -133,7 +133,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--from_json", type=Path, help="run nothing: print the table (and plot) of saved --json rows")
     parser.add_argument(
         "--from_record",
-        type=lambda text: [Path(part) for part in text.split(",")],
+        type=path_list,
         default=[],
         help="run nothing: comma-separated recorded runs (benchmarks/measured/*.json) whose rows come first, read "
         "back from their tables (with --from_json: a new row next to recorded ones, e.g. in one --pareto)",
