@@ -79,6 +79,11 @@ class SparseCodec:
         return self.full_chunks + (1 if self.tail else 0)
 
     @property
+    def lossless(self) -> bool:
+        """Every value sent as float32 (density 1, 32 bits): a payload decodes to its input bit for bit."""
+        return self.density == 1.0 and self.bits == 32
+
+    @property
     def kept(self) -> int:
         """Values sent per contribution."""
         return self.full_chunks * self.k + min(self.k, self.tail)

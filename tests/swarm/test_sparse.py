@@ -60,6 +60,8 @@ def test_density_one_with_32_bits_is_exact():
     codec = SparseCodec(total=12_345, density=1.0, bits=32, chunk=4096)
     values = torch.randn(12_345)
     assert torch.equal(codec.decode(codec.encode(values)), values)
+    assert codec.lossless and not SparseCodec(total=12_345, density=1.0, bits=8, chunk=4096).lossless
+    assert not SparseCodec(total=12_345, density=0.5, bits=32, chunk=4096).lossless
 
 
 def test_payloads_are_small():

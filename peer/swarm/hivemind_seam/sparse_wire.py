@@ -348,8 +348,7 @@ class SparsePseudoGradientAverager(PseudoGradientAverager):
             return
         averaged, refused_peers = await loop.run_in_executor(None, self._aggregate, gathered, own)
         # lossless (density 1, 32 bits): today's dense local mode, own + (average - own), bit for bit (the proof)
-        exact = not (self.codec.density == 1.0 and self.codec.bits == 32)
-        refused = take_average(tensors, averaged, self._averaging_alpha, exact=exact)
+        refused = take_average(tensors, averaged, self._averaging_alpha, exact=not self.codec.lossless)
         if refused:
             logger.warning("Sparse averaging: %d NaN/inf averaged values; kept the local values there", refused)
         if refused or refused_peers or len(gathered) < len(runner.senders):
