@@ -127,15 +127,18 @@ def collaboration(args: argparse.Namespace, row: str):
 
 
 def inner_schedule(args: argparse.Namespace):
-    """The swarm benchmark's schedule in rounds (RunSettings.flags): 2 and 100 epochs of --schedule_samples."""
+    """The swarm benchmark's inner schedule (``RunSettings.schedule``) for this run's rounds."""
+    from benchmarks.swarm_lib import RunSettings
     from peer.swarm.config import OptimizerArguments
 
-    scale = args.schedule_samples / (args.peers * args.local_steps * args.per_device_batch_size)
-    scale /= args.gradient_accumulation_steps
-    warmup = max(1, round(2 * scale))
-    total = max(warmup + 1, round(100 * scale))
+    settings = RunSettings(target_batch_size=args.schedule_samples)
+    round_samples = args.peers * args.local_steps * args.per_device_batch_size * args.gradient_accumulation_steps
+    warmup, total = settings.schedule(round_samples)
     return OptimizerArguments(
-        learning_rate=args.learning_rate, min_learning_rate=1e-4, warmup_steps=warmup, total_steps=total
+        learning_rate=args.learning_rate,
+        min_learning_rate=settings.min_learning_rate,
+        warmup_steps=warmup,
+        total_steps=total,
     )
 
 

@@ -214,6 +214,10 @@ def gradient_sizes(model_config: str) -> List[int]:
 # ----------------------------------------------------------------------------------------------- table
 
 
+BREAKDOWN_COLUMNS = ("compute", "blocked", "matchmaking", "grad all-reduce", "state avg", "opt step", "downloads")
+"""The main table's column of each ``BREAKDOWN`` entry (in its order): printed by ``table``, read back from records."""
+
+
 def _fmt(value: float, digits: int = 2) -> str:
     return "—" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.{digits}f}"
 
@@ -231,8 +235,7 @@ def table(rows: Sequence[Row]) -> str:
     header = ["link", "mode", "peers", "round", "H", "samples", "samples/s", "efficiency", "eff. equal speed"]
     header += ["compute share"]
     header += ["KB/sample/peer", "bound KB"]
-    header += ["× bound", "s/epoch", "compute", "blocked", "matchmaking", "grad all-reduce", "state avg", "opt step"]
-    header += ["downloads", "val loss"]
+    header += ["× bound", "s/epoch", *BREAKDOWN_COLUMNS, "val loss"]
     lines = [
         [
             row.link,
@@ -432,9 +435,6 @@ def rows_from_json(path: Path) -> List[Row]:
     return [Row(**{k: v for k, v in item.items() if k in known}) for item in json.loads(path.read_text())]
 
 
-_RECORDED_BREAKDOWN = dict(
-    zip(("compute", "blocked", "matchmaking", "grad all-reduce", "state avg", "opt step", "downloads"), BREAKDOWN)
-)
 _CURVE_CELL = re.compile(r"(?P<loss>[\d.]+) \((?P<samples>[\d.]+)k\)")
 
 
@@ -468,7 +468,7 @@ def _rows_of_tables(tables: dict) -> List[Row]:
         row.efficiency, row.compute_share = number["efficiency"], number["compute share"]
         row.bytes_per_sample, row.bound_bytes_per_sample = 1e3 * number["KB/sample/peer"], 1e3 * number["bound KB"]
         row.seconds_per_epoch, row.validation_loss = number["s/epoch"], number["val loss"]
-        row.breakdown = {key: number[name] for name, key in _RECORDED_BREAKDOWN.items() if name in number}
+        row.breakdown = {key: number[name] for name, key in zip(BREAKDOWN_COLUMNS, BREAKDOWN) if name in number}
         row.curve = [dict(epoch=-1, samples=number["samples"], seconds=math.nan, loss=math.nan)]
         rows[row.link, row.mode] = row
     curve = tables.get("curve")

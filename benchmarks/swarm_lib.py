@@ -121,6 +121,7 @@ class RunSettings:
     """Global epochs of ``target_batch_size`` samples: every row trains ``epochs x target_batch_size`` samples."""
     max_sequence_length: int = 128
     learning_rate: float = 0.01
+    min_learning_rate: float = 0.0001
     warmup_epochs: int = 2
     total_epochs: int = 100
     """The schedule, in epochs of ``target_batch_size`` samples (scaled to each mode's round size)."""
@@ -161,9 +162,15 @@ class RunSettings:
             )
         return None
 
-    def flags(self, mode: str = "sync") -> List[str]:
-        scale = self.target_batch_size / self.round_size(mode)  # schedules count rounds: keep them in samples
+    def schedule(self, round_samples: int) -> Tuple[int, int]:
+        """(warmup_steps, total_steps) for rounds of ``round_samples``: schedules count rounds, so the epochs of
+        ``target_batch_size`` samples are scaled to keep them in samples."""
+        scale = self.target_batch_size / round_samples
         warmup = max(1, round(self.warmup_epochs * scale)) if self.warmup_epochs else 0
+        return warmup, max(warmup + 1, round(self.total_epochs * scale))
+
+    def flags(self, mode: str = "sync") -> List[str]:
+        warmup, total = self.schedule(self.round_size(mode))
         return [
             "--model_config",
             self.model_config,
@@ -182,11 +189,11 @@ class RunSettings:
             "--learning_rate",
             str(self.learning_rate),
             "--min_learning_rate",
-            "0.0001",
+            str(self.min_learning_rate),
             "--warmup_steps",
             str(warmup),
             "--total_steps",
-            str(max(warmup + 1, round(self.total_epochs * scale))),
+            str(total),
             "--matchmaking_time",
             str(self.matchmaking_time),
             "--averaging_timeout",
