@@ -89,11 +89,16 @@ def spoil_relay(runner: StandaloneAllGather, variant: str, codec: SparseCodec) -
 def malformed(codec: SparseCodec, name: str) -> bytes:
     """A payload of this run with one thing wrong (or several valid-looking bytes too many)."""
     good = bytearray(codec.encode(torch.randn(codec.total)))
-    positions = _HEADER + 4 * codec.chunks
-    if name == "position_out_of_range":
-        struct.pack_into("<H", good, positions + 2 * codec.k - 2, codec.chunk)
-    elif name == "repeated_positions":
-        good[positions : positions + 2] = good[positions + 2 : positions + 4]
+    scales, positions, values = codec.split(bytes(good))
+    first = codec.parts[0]
+    if name == "position_out_of_range":  # the first chunk's last position: the largest its code can hold (>= chunk)
+        positions[codec.k - 1] = (((first.length - 1) >> first.low_bits) + 1 << first.low_bits) - 1
+        return codec.assemble(scales, positions, values)
+    if name == "repeated_positions":
+        positions[0] = positions[1]
+        return codec.assemble(scales, positions, values)
+    if name == "miscounted_positions":  # one bit of the first chunk's position code flipped: k - 1 or k + 1 set
+        good[_HEADER + 4 * codec.chunks] ^= 0x80
     elif name == "nan_scale":
         struct.pack_into("<f", good, _HEADER, float("nan"))
     elif name == "inf_scale":

@@ -104,8 +104,10 @@ class CollaborationArguments:
     butterfly all-reduce. sparse (for home uplinks): per chunk only the sparse_density largest values, quantized to
     sparse_bits bits, all-gathered; what is left out is kept in an error-feedback buffer and sent in later rounds
     (peer/swarm/sparse.py). Every peer of a run must use the same setting."""
-    sparse_density: float = 0.02
-    """outer_compression sparse: fraction of each chunk's values sent per round (0.01-0.03 is typical; 1 sends all)."""
+    sparse_density: float = 0.05
+    """outer_compression sparse: fraction of each chunk's values sent per round (1 sends all). 0.05: within 3 % of
+    dense local mode's loss where 0.02-0.04 were 3-7 % above (docs/benchmarks.md, benchmarks/outer_sim.py), for about
+    the bytes 0.02 took before positions were Elias-Fano coded."""
     sparse_bits: int = 2
     """outer_compression sparse: bits per sent value (1-8 on a uniform grid scaled per chunk, or 32 for float32)."""
     sparse_chunk: int = 4096
@@ -171,7 +173,7 @@ class CollaborationArguments:
         )
         require(
             isinstance(self.sparse_density, (int, float)) and 0.0 < self.sparse_density <= 1.0,
-            f"sparse_density must be in (0, 1], got {self.sparse_density!r}; e.g. --sparse_density 0.02",
+            f"sparse_density must be in (0, 1], got {self.sparse_density!r}; e.g. --sparse_density 0.05",
         )
         require(
             self.sparse_bits in VALUE_BITS,
@@ -185,7 +187,7 @@ class CollaborationArguments:
         )
         require(
             isinstance(self.sparse_chunk, int) and 1 <= self.sparse_chunk <= MAX_CHUNK,
-            f"sparse_chunk must be an integer in [1, {MAX_CHUNK}] (positions are sent as 16 bits), got "
+            f"sparse_chunk must be an integer in [1, {MAX_CHUNK}] (one float32 scale serves a chunk's values), got "
             f"{self.sparse_chunk!r}; e.g. --sparse_chunk 4096",
         )
 

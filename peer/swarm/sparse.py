@@ -2,23 +2,33 @@
 
 A peer's contribution to a round is its pseudo-gradient plus what earlier rounds left out (the error-feedback
 buffer), flattened and cut into chunks of ``chunk`` values. Each chunk keeps its ``k = round(density x chunk)``
-values of largest magnitude: their positions (uint16, so ``chunk`` <= 65536) and their values quantized to ``bits``
-bits on a uniform grid from -scale to +scale, where scale is the chunk's largest kept magnitude (one float32 per
-chunk; 32 bits sends the values as float32). What was not sent (``contribution - decode(payload)``) stays in the
+values of largest magnitude: their positions, Elias-Fano coded (below), and their values quantized to ``bits`` bits
+on a uniform grid from -scale to +scale, where scale is the chunk's largest kept magnitude (one float32 per chunk; 32
+bits sends the values as float32). What was not sent (``contribution - decode(payload)``) stays in the
 buffer for the next round (error feedback, as in SparseLoCo and DeMo): with decay 1 nothing is lost, only delayed;
 SparseLoCo decays the buffer (0.95 per round) and drops the outer momentum, whose role the buffer takes.
 
+Positions (Elias-Fano, as search engines code sorted posting lists): in a chunk of n values keeping k, each sorted
+position p is split into its ``l = floor(log2(n / k))`` low bits, sent as they are, and its high part ``p >> l``,
+sent in unary: bit ``(p >> l) + i`` of the chunk's ``((n - 1) >> l) + k``-bit upper vector is set for its i-th
+position. That is at most ``l + 2 + 1/k`` bits a position, whatever the values: 7.6 bits at 2 % density and 6.3 at
+5 %, where uint16 positions (version 1) took 16, so a payload at 5 % density costs about what version 1's did at
+2 % (the density that closes the gap to dense local mode: docs/benchmarks.md). Every payload of a run has the same
+size. A chunk that keeps all its values sends no positions.
+
 A payload is untrusted input: ``SparseCodec.check`` refuses it before anything is decoded unless its size is exactly
 what this run's settings give, its header repeats those settings, every scale is finite and >= 0, every chunk's
-positions are strictly increasing (sorted, unique) and inside the chunk, and 32-bit values are finite. The level
-codes of b-bit values cannot be out of range (every b-bit pattern is a level).
+upper vector has exactly k bits set, every chunk's positions are strictly increasing (sorted, unique) and inside
+the chunk, and 32-bit values are finite. The level codes of b-bit values cannot be out of range (every b-bit pattern
+is a level).
 
 Wire layout (little endian)::
 
-    header  <4sBBHIIQ: b"LHSP", version, bits, 0, chunk, k, number of values
-    scales  float32 x chunks            (absent for 32-bit values)
-    indices uint16 x kept values        (per chunk, sorted)
-    values  bits x kept values, bit-packed MSB first; float32 for 32 bits
+    header    <4sBBHIIQ: b"LHSP", version, bits, 0, chunk, k, number of values
+    scales    float32 x chunks            (absent for 32-bit values)
+    positions per part (the full chunks, then the shorter last one): its chunks' upper vectors, then their low
+              bits (MSB first, l per position), all bit-packed MSB first into whole bytes
+    values    bits x kept values, bit-packed MSB first; float32 for 32 bits
 
 The all-gather of payloads over hivemind is in ``peer.swarm.hivemind_seam.sparse_wire``.
 """
@@ -34,10 +44,11 @@ import numpy as np
 import torch
 
 MAGIC = b"LHSP"
-VERSION = 1
+VERSION = 2
+"""Version 1 sent positions as uint16 (docs/benchmarks.md's measurements before 2026-12-02 used it)."""
 _HEADER = struct.Struct("<4sBBHIIQ")
 MAX_CHUNK = 65536
-"""Positions inside a chunk are sent as uint16."""
+"""Longer chunks would share one scale among more values (coarser values); it was also version 1's uint16 limit."""
 VALUE_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 32)
 
 
@@ -56,7 +67,7 @@ class SparseCodec:
         if not (isinstance(self.total, int) and self.total >= 1):
             raise ValueError(f"a sparse codec needs at least one value, got total={self.total!r}")
         if not (0.0 < self.density <= 1.0):
-            raise ValueError(f"sparse_density must be in (0, 1], got {self.density!r}; e.g. --sparse_density 0.02")
+            raise ValueError(f"sparse_density must be in (0, 1], got {self.density!r}; e.g. --sparse_density 0.05")
         if self.bits not in VALUE_BITS:
             raise ValueError(f"sparse_bits must be one of {VALUE_BITS}, got {self.bits!r}; e.g. --sparse_bits 2")
         if not (isinstance(self.chunk, int) and 1 <= self.chunk <= MAX_CHUNK):
@@ -84,9 +95,17 @@ class SparseCodec:
         return self.density == 1.0 and self.bits == 32
 
     @property
+    def parts(self) -> Tuple["_Part", ...]:
+        """The full chunks, then the shorter last one: each part's chunks have one length and keep one k."""
+        parts = [_Part(self.full_chunks, self.chunk, self.k)] if self.full_chunks else []
+        if self.tail:
+            parts.append(_Part(1, self.tail, min(self.k, self.tail)))
+        return tuple(parts)
+
+    @property
     def kept(self) -> int:
         """Values sent per contribution."""
-        return self.full_chunks * self.k + min(self.k, self.tail)
+        return sum(part.rows * part.k for part in self.parts)
 
     def _value_bytes(self) -> int:
         return 4 * self.kept if self.bits == 32 else math.ceil(self.kept * self.bits / 8)
@@ -94,33 +113,31 @@ class SparseCodec:
     def _scale_bytes(self) -> int:
         return 0 if self.bits == 32 else 4 * self.chunks
 
+    def _position_bytes(self) -> int:
+        return math.ceil(sum(part.position_bits for part in self.parts) / 8)
+
     @property
     def payload_bytes(self) -> int:
         """The exact size of every valid payload of this run."""
-        return _HEADER.size + self._scale_bytes() + 2 * self.kept + self._value_bytes()
+        return _HEADER.size + self._scale_bytes() + self._position_bytes() + self._value_bytes()
 
     # ------------------------------------------------------------------------------------------- encode
 
-    def _select(self, flat: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _select(self, flat: torch.Tensor) -> Tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         """(positions within each chunk, values, chunk of each value), chunk by chunk, positions sorted."""
         positions, values, owners = [], [], []
-        body = flat[: self.full_chunks * self.chunk].view(self.full_chunks, self.chunk)
-        pieces = [(body, self.k)]
-        if self.tail:
-            pieces.append((flat[self.full_chunks * self.chunk :].view(1, self.tail), min(self.k, self.tail)))
         first_chunk = 0
-        for matrix, k in pieces:
-            if matrix.shape[0] == 0:
-                continue
-            if k == matrix.shape[1]:  # density 1: every value, in order (no sort: exact and cheap)
-                index = torch.arange(k).expand(matrix.shape[0], k)
+        for part in self.parts:
+            matrix = flat[first_chunk * self.chunk :][: part.rows * part.length].view(part.rows, part.length)
+            if part.k == part.length:  # density 1: every value, in order (no sort: exact and cheap)
+                index = torch.arange(part.k).expand(part.rows, part.k)
             else:
-                index = matrix.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+                index = matrix.abs().topk(part.k, dim=1, sorted=False).indices.sort(dim=1).values
             positions.append(index.reshape(-1))
             values.append(matrix.gather(1, index).reshape(-1))
-            owners.append(torch.arange(first_chunk, first_chunk + matrix.shape[0]).repeat_interleave(k))
-            first_chunk += matrix.shape[0]
-        return torch.cat(positions), torch.cat(values), torch.cat(owners)
+            owners.append(torch.arange(first_chunk, first_chunk + part.rows).repeat_interleave(part.k))
+            first_chunk += part.rows
+        return torch.cat(positions).numpy().astype(np.int64), torch.cat(values), torch.cat(owners)
 
     def encode(self, flat: torch.Tensor) -> bytes:
         """The payload of a flat float tensor of ``total`` values (float32 on the wire)."""
@@ -128,10 +145,8 @@ class SparseCodec:
         if flat.numel() != self.total:
             raise ValueError(f"expected {self.total} values, got {flat.numel()}")
         positions, values, owners = self._select(flat)
-        header = _HEADER.pack(MAGIC, VERSION, self.bits, 0, self.chunk, self.k, self.total)
-        index_bytes = positions.to(torch.int32).numpy().astype("<u2").tobytes()
         if self.bits == 32:
-            return header + index_bytes + values.numpy().astype("<f4").tobytes()
+            return self.assemble(np.zeros(0, dtype=np.float32), positions, values.numpy().astype("<f4").tobytes())
         scales = torch.zeros(self.chunks, dtype=torch.float32).scatter_reduce_(
             0, owners, values.abs(), reduce="amax", include_self=True
         )
@@ -139,17 +154,38 @@ class SparseCodec:
         scale_of_value = scales[owners]
         unit = torch.where(scale_of_value > 0, values / scale_of_value.clamp_min(1e-38), torch.zeros_like(values))
         codes = torch.round((unit.clamp(-1, 1) + 1) * (levels / 2)).to(torch.uint8).numpy()
-        return header + scales.numpy().astype("<f4").tobytes() + index_bytes + _pack(codes, self.bits)
+        return self.assemble(scales.numpy(), positions, _pack(codes, self.bits))
+
+    def assemble(self, scales: np.ndarray, positions: np.ndarray, values: bytes) -> bytes:
+        """A payload of these parts: ``positions`` (each chunk's, in chunk order) must be sorted within each chunk
+        and each below ``(((n - 1) >> l) + 1) << l`` for its chunk's length n; nothing else is checked (the rogue
+        peers of the tests build malformed payloads with it)."""
+        header = _HEADER.pack(MAGIC, VERSION, self.bits, 0, self.chunk, self.k, self.total)
+        bits, start = [], 0
+        for part in self.parts:
+            bits.append(part.code(positions[start : start + part.rows * part.k].reshape(part.rows, part.k)))
+            start += part.rows * part.k
+        position_bytes = np.packbits(np.concatenate(bits)).tobytes() if bits else b""
+        return header + np.asarray(scales, dtype="<f4").tobytes() + position_bytes + values
 
     # -------------------------------------------------------------------------------------------- check
 
-    def _split(self, payload: bytes) -> Tuple[np.ndarray, np.ndarray, bytes]:
+    def split(self, payload: bytes) -> Tuple[np.ndarray, Optional[np.ndarray], bytes]:
+        """(scales, each chunk's positions in chunk order, or None where a chunk's upper vector does not have
+        exactly k bits set; the value bytes)."""
         offset = _HEADER.size
         scales = np.frombuffer(payload, dtype="<f4", count=self._scale_bytes() // 4, offset=offset)
         offset += self._scale_bytes()
-        positions = np.frombuffer(payload, dtype="<u2", count=self.kept, offset=offset)
-        offset += 2 * self.kept
-        return scales, positions, payload[offset:]
+        bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8, count=self._position_bytes(), offset=offset))
+        offset += self._position_bytes()
+        positions, start = [], 0
+        for part in self.parts:
+            read = part.read(bits[start : start + part.position_bits])
+            if read is None:
+                return scales, None, payload[offset:]
+            positions.append(read.reshape(-1))
+            start += part.position_bits
+        return scales, np.concatenate(positions), payload[offset:]
 
     def check(self, payload: bytes) -> Optional[str]:
         """Why ``payload`` cannot be a contribution of this run (None: it can be decoded). Reads sizes and
@@ -167,16 +203,17 @@ class SparseCodec:
                 f"{self.bits}, chunk {self.chunk}, k {self.k}, values {self.total}): every peer of a run needs the "
                 "same model and --sparse_density/--sparse_bits/--sparse_chunk"
             )
-        scales, positions, values = self._split(payload)
+        scales, positions, values = self.split(payload)
         if scales.size and not (np.isfinite(scales).all() and (scales >= 0).all()):
             return "a chunk's scale is NaN, inf or negative"
-        full = self.full_chunks * self.k
-        body = positions[:full].reshape(self.full_chunks, self.k).astype(np.int32)
-        if body.size and ((body[:, -1] >= self.chunk).any() or (np.diff(body, axis=1) <= 0).any()):
-            return "a chunk's positions are out of range, unsorted or repeated"
-        tail = positions[full:].astype(np.int32)
-        if tail.size and (tail[-1] >= self.tail or (np.diff(tail) <= 0).any()):
-            return "the last chunk's positions are out of range, unsorted or repeated"
+        if positions is None:
+            return "a chunk's position code does not hold exactly its number of positions"
+        start = 0
+        for part in self.parts:
+            matrix = positions[start : start + part.rows * part.k].reshape(part.rows, part.k)
+            if (matrix[:, -1] >= part.length).any() or (np.diff(matrix, axis=1) <= 0).any():
+                return "a chunk's positions are out of range, unsorted or repeated"
+            start += part.rows * part.k
         if self.bits == 32 and not np.isfinite(np.frombuffer(values, dtype="<f4")).all():
             return "it holds NaN/inf values"
         return None
@@ -185,11 +222,12 @@ class SparseCodec:
 
     def decode(self, payload: bytes) -> torch.Tensor:
         """The dense float32 contribution of a payload that passed ``check`` (call it first: this one trusts)."""
-        scales, positions, values = self._split(payload)
-        chunk_of = np.repeat(np.arange(self.full_chunks, dtype=np.int64), self.k)
-        if self.tail:
-            chunk_of = np.concatenate([chunk_of, np.full(min(self.k, self.tail), self.full_chunks, dtype=np.int64)])
-        flat_index = torch.from_numpy(chunk_of * self.chunk + positions.astype(np.int64))
+        scales, positions, values = self.split(payload)
+        chunk_of = np.concatenate(
+            [np.repeat(np.arange(self.full_chunks, dtype=np.int64), self.k)]
+            + ([np.full(min(self.k, self.tail), self.full_chunks, dtype=np.int64)] if self.tail else [])
+        )
+        flat_index = torch.from_numpy(chunk_of * self.chunk + positions)
         if self.bits == 32:
             decoded = torch.from_numpy(np.frombuffer(values, dtype="<f4").copy())
         else:
@@ -199,6 +237,57 @@ class SparseCodec:
         out = torch.zeros(self.total, dtype=torch.float32)
         out[flat_index] = decoded
         return out
+
+
+@dataclass(frozen=True)
+class _Part:
+    """``rows`` chunks of ``length`` values, each keeping ``k``: the Elias-Fano code of their positions."""
+
+    rows: int
+    length: int
+    k: int
+
+    @property
+    def low_bits(self) -> int:
+        """l = floor(log2(length / k)): a position's bits sent as they are."""
+        return 0 if self.k == self.length else (self.length // self.k).bit_length() - 1
+
+    @property
+    def upper_bits(self) -> int:
+        """A chunk's unary-coded high parts: one set bit per position, one clear bit per step of the high part."""
+        return 0 if self.k == self.length else ((self.length - 1) >> self.low_bits) + self.k
+
+    @property
+    def position_bits(self) -> int:
+        return self.rows * (self.upper_bits + self.k * self.low_bits)
+
+    def code(self, positions: np.ndarray) -> np.ndarray:
+        """The bits (one uint8 per bit) of ``positions``: (rows, k), each row sorted."""
+        if self.k == self.length:
+            return np.zeros(0, dtype=np.uint8)
+        low = self.low_bits
+        upper = np.zeros((self.rows, self.upper_bits), dtype=np.uint8)
+        upper[np.arange(self.rows)[:, None], (positions >> low) + np.arange(self.k)] = 1
+        lower = np.empty((self.rows, self.k, low), dtype=np.uint8)
+        for bit in range(low):
+            lower[:, :, bit] = (positions >> (low - 1 - bit)) & 1
+        return np.concatenate([upper.reshape(-1), lower.reshape(-1)])
+
+    def read(self, bits: np.ndarray) -> Optional[np.ndarray]:
+        """(rows, k) positions from ``code``'s bits; None if a chunk's upper vector has not exactly k bits set (then
+        it cannot be read as k positions). Ranges and order are ``SparseCodec.check``'s."""
+        if self.k == self.length:
+            return np.broadcast_to(np.arange(self.k, dtype=np.int64), (self.rows, self.k))
+        low, upper_size = self.low_bits, self.rows * self.upper_bits
+        upper = bits[:upper_size].reshape(self.rows, self.upper_bits)
+        if (upper.sum(axis=1, dtype=np.int64) != self.k).any():
+            return None
+        columns = np.nonzero(upper)[1].reshape(self.rows, self.k).astype(np.int64)
+        positions = (columns - np.arange(self.k)) << low
+        lower = bits[upper_size : upper_size + self.rows * self.k * low].reshape(self.rows, self.k, low)
+        for bit in range(low):
+            positions |= lower[:, :, bit].astype(np.int64) << (low - 1 - bit)
+        return positions
 
 
 def _pack(codes: np.ndarray, bits: int) -> bytes:

@@ -16,14 +16,14 @@ from peer.swarm.sparse import ErrorFeedback, SparseCodec
 
 def test_sparse_options_are_validated_with_a_fix():
     args = CollaborationArguments(sync_mode="local", outer_compression="sparse")
-    assert (args.sparse_density, args.sparse_bits, args.sparse_chunk) == (0.02, 2, 4096)
+    assert (args.sparse_density, args.sparse_bits, args.sparse_chunk) == (0.05, 2, 4096)
     with pytest.raises(ValueError, match="add --sync_mode local"):
         CollaborationArguments(outer_compression="sparse")
-    with pytest.raises(ValueError, match=r"sparse_density must be in \(0, 1\].*--sparse_density 0.02"):
+    with pytest.raises(ValueError, match=r"sparse_density must be in \(0, 1\].*--sparse_density 0.05"):
         CollaborationArguments(sync_mode="local", outer_compression="sparse", sparse_density=0)
     with pytest.raises(ValueError, match="sparse_bits must be one of .*--sparse_bits 2"):
         CollaborationArguments(sync_mode="local", outer_compression="sparse", sparse_bits=16)
-    with pytest.raises(ValueError, match="sparse_chunk must be an integer in .*16 bits"):
+    with pytest.raises(ValueError, match="sparse_chunk must be an integer in .*one float32 scale"):
         CollaborationArguments(sync_mode="local", outer_compression="sparse", sparse_chunk=65537)
     with pytest.raises(ValueError, match=r"sparse_feedback_decay must be in \[0, 1\].*0.95"):
         CollaborationArguments(sync_mode="local", outer_compression="sparse", sparse_feedback_decay=1.5)
@@ -65,9 +65,14 @@ def test_density_one_with_32_bits_is_exact():
 
 
 def test_payloads_are_small():
-    codec = SparseCodec(total=10_000_000, density=0.02, bits=2, chunk=4096)
-    # 2 % x (16-bit position + 2-bit value) + one float32 scale per 4096 values: about 0.37 bits per value
-    assert codec.payload_bytes * 8 / codec.total < 0.4
+    def bits_per_value(density: float) -> float:
+        codec = SparseCodec(total=10_000_000, density=density, bits=2, chunk=4096)
+        return codec.payload_bytes * 8 / codec.total
+
+    # 2 % x (Elias-Fano position: 5 low bits + at most 2.6 upper bits; 2-bit value) + a float32 scale per 4096 values
+    assert bits_per_value(0.02) < 0.2
+    # 5 % costs about what 2 % did with version 1's uint16 positions (2 % x (16 + 2) bits + scales: 0.37)
+    assert bits_per_value(0.05) < 0.43
 
 
 # ------------------------------------------------------------------------------------------------ error feedback
@@ -127,23 +132,38 @@ def _corrupt(payload: bytes, offset: int, data: bytes) -> bytes:
 
 def _malformed(codec: SparseCodec, payload: bytes) -> dict:
     header = struct.calcsize("<4sBBHIIQ")
-    scales = header
-    positions = scales + 4 * codec.chunks
-    second_chunk = positions + 2 * codec.k
+    scales, positions, values = codec.split(payload)
+    full, tail = codec.parts  # 5 chunks of 1000 keeping 20, one of 500 keeping 10
+
+    def with_positions(**changes) -> bytes:
+        changed = positions.copy()
+        for index, position in changes.items():
+            changed[int(index[1:])] = position
+        return codec.assemble(scales, changed, values)
+
+    assert codec.assemble(scales, positions, values) == payload
+    last_of_first, last = codec.k - 1, codec.kept - 1
+    highest = (((full.length - 1) >> full.low_bits) + 1 << full.low_bits) - 1  # the code's largest: 1023
+    highest_tail = (((tail.length - 1) >> tail.low_bits) + 1 << tail.low_bits) - 1  # 511
+    low_mask = (1 << full.low_bits) - 1
+    assert positions[1] & low_mask != low_mask  # so that the first position can be made larger, in the same bucket
+    position_bits = header + 4 * codec.chunks
     return {
         "truncated": payload[:-1],
         "oversized": payload + b"\0",
         "empty": b"",
         "bad magic": _corrupt(payload, 0, b"EVIL"),
+        "other version": _corrupt(payload, 4, bytes([1])),
         "other bits": _corrupt(payload, 5, bytes([4])),
         "other chunk": _corrupt(payload, 8, struct.pack("<I", 999)),
-        "nan scale": _corrupt(payload, scales, struct.pack("<f", float("nan"))),
-        "inf scale": _corrupt(payload, scales, struct.pack("<f", float("inf"))),
-        "negative scale": _corrupt(payload, scales, struct.pack("<f", -1.0)),
-        "position out of range": _corrupt(payload, second_chunk - 2, struct.pack("<H", 1000)),
-        "repeated position": _corrupt(payload, positions, payload[positions + 2 : positions + 4]),
-        "unsorted": _corrupt(payload, positions, struct.pack("<H", 999)),
-        "tail out of range": _corrupt(payload, second_chunk + 2 * codec.k * 5 - 2, struct.pack("<H", 600)),
+        "nan scale": _corrupt(payload, header, struct.pack("<f", float("nan"))),
+        "inf scale": _corrupt(payload, header, struct.pack("<f", float("inf"))),
+        "negative scale": _corrupt(payload, header, struct.pack("<f", -1.0)),
+        "a position bit flipped": _corrupt(payload, position_bits, bytes([payload[position_bits] ^ 0x80])),
+        "position out of range": with_positions(**{f"p{last_of_first}": highest}),
+        "repeated position": with_positions(p0=positions[1]),
+        "unsorted": with_positions(p0=positions[1] | low_mask),
+        "tail out of range": with_positions(**{f"p{last}": highest_tail}),
     }
 
 
@@ -152,7 +172,10 @@ def test_malformed_payloads_are_refused_before_decoding():
     payload = codec.encode(torch.randn(5500))
     assert codec.check(payload) is None
     for name, bad in _malformed(codec, payload).items():
-        assert codec.check(bad) is not None, name
+        reason = codec.check(bad)
+        assert reason is not None, name
+        if "position" in name or name in ("unsorted", "tail out of range"):  # read as positions, then refused
+            assert "position" in reason, (name, reason)
 
 
 def test_nonfinite_32_bit_values_are_refused():

@@ -22,6 +22,7 @@ from peer.swarm.sparse import SparseCodec
 ROGUE_VARIANTS = [
     "position_out_of_range",
     "repeated_positions",
+    "miscounted_positions",
     "nan_scale",
     "inf_scale",
     "other_settings",
@@ -109,7 +110,13 @@ def test_a_rogue_process_sending_malformed_payloads_is_refused(caplog):
         # refused before decoding (or cut off at the run's payload size): only this peer's own part is averaged
         assert torch.equal(averaged, own_decoded), variant
     log = caplog.text
-    for reason in ("out of range, unsorted or repeated", "NaN, inf or negative", "are not this run's", "its size is"):
+    for reason in (
+        "out of range, unsorted or repeated",
+        "does not hold exactly its number of positions",
+        "NaN, inf or negative",
+        "are not this run's",
+        "its size is",
+    ):
         assert reason in log
     assert "sent more than the" in log  # the oversized stream was cut off at this run's payload size
 

@@ -3,8 +3,8 @@
 Why an all-gather and not hivemind's butterfly all-reduce: the butterfly sends each reducer a slice of every peer's
 vector and sends the slice's average back. A sparse contribution stays small on the way in, but the average of n
 sparse vectors is up to n times denser and no longer on a low-bit grid, so the way back costs more than the way in
-(16-bit position + 16-bit value per non-zero instead of 16 + 2 bits) and its own compression would lose values no
-error-feedback buffer owns. The all-gather sends each peer's payload (about 0.37 bits per parameter at the defaults)
+(a position and a 16-bit value per non-zero instead of about 6 + 2 bits) and its own compression would lose values
+no error-feedback buffer owns. The all-gather sends each peer's payload (about 0.42 bits per parameter at the defaults)
 to each other peer once and nothing back: per peer (n - 1) x payload up and down, less than the butterfly's for the
 groups of 2 to ~8 peers this mode forms (hivemind's group size is bounded by matchmaking), exact on receipt, one
 round trip. Every peer decodes the same contributions in the group's order and aggregates them with the same
