@@ -92,7 +92,7 @@ def malformed(codec: SparseCodec, name: str) -> bytes:
     scales, positions, values = codec.split(bytes(good))
     first = codec.parts[0]
     if name == "position_out_of_range":  # the first chunk's last position: the largest its code can hold
-        highest = (((first.length - 1) >> first.low_bits) + 1 << first.low_bits) - 1
+        highest = first.largest_codable
         if highest < first.length:  # a chunk of a multiple of 2^l values (e.g. 4096) cannot be sent one
             raise ValueError(f"a chunk of {first.length} values keeping {first.k} cannot hold an out-of-range position")
         positions[codec.k - 1] = highest

@@ -107,6 +107,11 @@ class SparseCodec:
         """Values sent per contribution."""
         return sum(part.rows * part.k for part in self.parts)
 
+    def _chunk_of_values(self) -> np.ndarray:
+        """The chunk of each sent value, in payload order (each chunk's index, k times)."""
+        kept_per_chunk = np.repeat([part.k for part in self.parts], [part.rows for part in self.parts])
+        return np.repeat(np.arange(self.chunks, dtype=np.int64), kept_per_chunk)
+
     def _value_bytes(self) -> int:
         return 4 * self.kept if self.bits == 32 else math.ceil(self.kept * self.bits / 8)
 
@@ -123,9 +128,9 @@ class SparseCodec:
 
     # ------------------------------------------------------------------------------------------- encode
 
-    def _select(self, flat: torch.Tensor) -> Tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-        """(positions within each chunk, values, chunk of each value), chunk by chunk, positions sorted."""
-        positions, values, owners = [], [], []
+    def _select(self, flat: torch.Tensor) -> Tuple[np.ndarray, torch.Tensor]:
+        """(positions within each chunk, values), chunk by chunk, positions sorted."""
+        positions, values = [], []
         first_chunk = 0
         for part in self.parts:
             matrix = flat[first_chunk * self.chunk :][: part.rows * part.length].view(part.rows, part.length)
@@ -135,18 +140,18 @@ class SparseCodec:
                 index = matrix.abs().topk(part.k, dim=1, sorted=False).indices.sort(dim=1).values
             positions.append(index.reshape(-1))
             values.append(matrix.gather(1, index).reshape(-1))
-            owners.append(torch.arange(first_chunk, first_chunk + part.rows).repeat_interleave(part.k))
             first_chunk += part.rows
-        return torch.cat(positions).numpy().astype(np.int64), torch.cat(values), torch.cat(owners)
+        return torch.cat(positions).numpy().astype(np.int64), torch.cat(values)
 
     def encode(self, flat: torch.Tensor) -> bytes:
         """The payload of a flat float tensor of ``total`` values (float32 on the wire)."""
         flat = flat.detach().reshape(-1).to(torch.float32)
         if flat.numel() != self.total:
             raise ValueError(f"expected {self.total} values, got {flat.numel()}")
-        positions, values, owners = self._select(flat)
+        positions, values = self._select(flat)
         if self.bits == 32:
             return self.assemble(np.zeros(0, dtype=np.float32), positions, values.numpy().astype("<f4").tobytes())
+        owners = torch.from_numpy(self._chunk_of_values())
         scales = torch.zeros(self.chunks, dtype=torch.float32).scatter_reduce_(
             0, owners, values.abs(), reduce="amax", include_self=True
         )
@@ -223,10 +228,7 @@ class SparseCodec:
     def decode(self, payload: bytes) -> torch.Tensor:
         """The dense float32 contribution of a payload that passed ``check`` (call it first: this one trusts)."""
         scales, positions, values = self.split(payload)
-        chunk_of = np.concatenate(
-            [np.repeat(np.arange(self.full_chunks, dtype=np.int64), self.k)]
-            + ([np.full(min(self.k, self.tail), self.full_chunks, dtype=np.int64)] if self.tail else [])
-        )
+        chunk_of = self._chunk_of_values()
         flat_index = torch.from_numpy(chunk_of * self.chunk + positions)
         if self.bits == 32:
             decoded = torch.from_numpy(np.frombuffer(values, dtype="<f4").copy())
@@ -256,6 +258,12 @@ class _Part:
     def upper_bits(self) -> int:
         """A chunk's unary-coded high parts: one set bit per position, one clear bit per step of the high part."""
         return 0 if self.k == self.length else ((self.length - 1) >> self.low_bits) + self.k
+
+    @property
+    def largest_codable(self) -> int:
+        """The largest position the code can hold: ``length - 1`` or more (a hostile payload's may be out of range,
+        unless ``length`` is a multiple of 2^l)."""
+        return (((self.length - 1) >> self.low_bits) + 1 << self.low_bits) - 1
 
     @property
     def position_bits(self) -> int:

@@ -135,16 +135,15 @@ def _malformed(codec: SparseCodec, payload: bytes) -> dict:
     scales, positions, values = codec.split(payload)
     full, tail = codec.parts  # 5 chunks of 1000 keeping 20, one of 500 keeping 10
 
-    def with_positions(**changes) -> bytes:
+    def with_positions(changes: dict) -> bytes:
         changed = positions.copy()
         for index, position in changes.items():
-            changed[int(index[1:])] = position
+            changed[index] = position
         return codec.assemble(scales, changed, values)
 
     assert codec.assemble(scales, positions, values) == payload
     last_of_first, last = codec.k - 1, codec.kept - 1
-    highest = (((full.length - 1) >> full.low_bits) + 1 << full.low_bits) - 1  # the code's largest: 1023
-    highest_tail = (((tail.length - 1) >> tail.low_bits) + 1 << tail.low_bits) - 1  # 511
+    assert (full.largest_codable, tail.largest_codable) == (1023, 511)  # both beyond their chunk: out of range
     low_mask = (1 << full.low_bits) - 1
     assert positions[1] & low_mask != low_mask  # so that the first position can be made larger, in the same bucket
     position_bits = header + 4 * codec.chunks
@@ -160,10 +159,10 @@ def _malformed(codec: SparseCodec, payload: bytes) -> dict:
         "inf scale": _corrupt(payload, header, struct.pack("<f", float("inf"))),
         "negative scale": _corrupt(payload, header, struct.pack("<f", -1.0)),
         "a position bit flipped": _corrupt(payload, position_bits, bytes([payload[position_bits] ^ 0x80])),
-        "position out of range": with_positions(**{f"p{last_of_first}": highest}),
-        "repeated position": with_positions(p0=positions[1]),
-        "unsorted": with_positions(p0=positions[1] | low_mask),
-        "tail out of range": with_positions(**{f"p{last}": highest_tail}),
+        "position out of range": with_positions({last_of_first: full.largest_codable}),
+        "repeated position": with_positions({0: positions[1]}),
+        "unsorted": with_positions({0: positions[1] | low_mask}),
+        "tail out of range": with_positions({last: tail.largest_codable}),
     }
 
 
