@@ -74,6 +74,8 @@ def resync_after_missed_round(optimizer: LeanHiveOptimizer, watchdog: Optional[D
     logger.warning("Missed the all-reduce before round %d: loading the swarm's state", optimizer.local_epoch)
     if optimizer.load_state_checked():
         events.emit("state_loaded", epoch=optimizer.local_epoch, source="swarm", reason="missed_round", path=None)
+    else:
+        logger.warning("No peer gave its state after the missed round %d: training on", optimizer.local_epoch)
 
 
 RESYNC_EVERY_EPOCHS = 3
@@ -159,6 +161,10 @@ class SyncTraining:
                 )
                 return
         self._last_resync = epoch
+        if download is not None and self._epoch_seconds is not None:
+            logger.info(
+                "The last state download took %.1f s, an epoch %.1f s: re-syncing", download, self._epoch_seconds
+            )
         resync_after_missed_round(self.optimizer, self.watchdog)
 
     def _time_epoch(self) -> None:

@@ -159,13 +159,15 @@ def test_a_sync_peer_that_missed_a_round_takes_the_swarm_state(tmp_path, swarm):
     """One peer's gradient round breaks off after its group formed; hivemind then steps with that peer's own
     gradients, a gap its LAMB statistics keep for many epochs (0.04 to the end of a run with --missed_round_resync_mb
     0, the default). With --missed_round_resync_mb 64 it downloads the swarm's state: the tiny state is below that, and
-    a download takes far less than an epoch here (epochs of 768 samples, 5 s with a busy loop beside; with 256 a busy
-    CI machine's 0.6 s join download was more than RESYNC_EPOCH_SHARE of an epoch of 2.2 s, and the peer rightly did
-    not re-sync). Both then end with the same parameters (8-bit averaging; measured 0.0006 to 0.0007 after it). The
-    epochs around the broken round may differ (the other peer's round breaks off too, and each may re-sync from the
-    other once), and so may epochs after a later miss within three epochs of the last re-sync (RESYNC_EVERY_EPOCHS: a
-    busy CI machine missed the last two rounds that way)."""
-    common = ["--max_epochs", "8", "--min_peers", "2", "--target_batch_size", "768", "--missed_round_resync_mb", "64"]
+    a download takes far less than an epoch here. The peer re-syncs only while its last download (the join's) took at
+    most RESYNC_EPOCH_SHARE of an epoch, so epochs are 1536 samples (about 6.5 s with two busy loops beside, against
+    join downloads of 0.4 s): with two busy loops, 768-sample epochs of 3.6 to 5.4 s came with downloads of 0.3 to 1.3
+    s, and a busy CI machine did not re-sync at 768 (at 256: a 0.6 s join download, an epoch of 2.2 s). Both then end
+    with the same parameters (8-bit averaging; measured 0.0006 to 0.0007 after it). The epochs around the broken
+    round may differ (the other peer's round breaks off too, and each may re-sync from the other once), and so may
+    epochs after a later miss within three epochs of the last re-sync (RESYNC_EVERY_EPOCHS: a busy CI machine missed
+    the last two rounds that way)."""
+    common = ["--max_epochs", "8", "--min_peers", "2", "--target_batch_size", "1536", "--missed_round_resync_mb", "64"]
     first = start_trainer(tmp_path, "a", "missed", extra=common, env=param_dump_env(tmp_path, "a"))
     swarm.append(first)
     initial_peers = first.initial_peers(STARTUP)
