@@ -13,6 +13,10 @@ no timing, so a row is a few minutes on one core, and its curve follows the swar
 (docs/benchmarks.md, "Sparse against dense local mode without a network"). What it leaves out: rounds a peer misses,
 peers of unequal speed, the wire.
 
+Streaming fragments (``--fragments P``, ``--fragment_overlap``, ``--fragment_mix``; ``FragmentSchedule``): the
+shared parameters split into P ranges whose outer syncs are staggered through the round, each sent one
+fragment-round before it is applied while the peers train on, so a peer's largest transfer is 1/P of the payload.
+
 Rows: ``dense`` is the swarm benchmark's ``local_x<k>`` (outer Nesterov SGD, the trainer's defaults), ``sparse`` its
 ``local_sparse_x<k>`` (the sparse codec at the trainer's defaults, outer learning rate 1 without momentum).
 """
@@ -45,6 +49,9 @@ class SimRow:
     losses: List[float] = field(default_factory=list)
     """Validation loss of the shared parameters after each round."""
     seconds: float = math.nan
+    largest_send: Optional[int] = None
+    """Bytes a peer sends in its largest single sync: the sparse codec's exact payload of the largest fragment;
+    dense rows one byte a value (hivemind's 8-bit wire format, its scales left out)."""
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -85,6 +92,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     for name, kind, default, text in outer:
         parser.add_argument(f"--{name}", type=kind, default=default, help=f"{text} (default: {default})")
+    parser.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        help="P: split the shared parameters into P equal ranges synced at staggered steps of the round (Streaming "
+        "DiLoCo; default: %(default)s, one sync per round)",
+    )
+    parser.add_argument(
+        "--fragment_overlap",
+        action="store_true",
+        help="send each fragment one fragment-round (H / P inner steps) before it is applied, the peers training on "
+        "meanwhile (default: sent and applied at once, the peers waiting)",
+    )
+    parser.add_argument(
+        "--fragment_mix",
+        type=float,
+        default=0.0,
+        help="on a fragment's landing each peer keeps this share of its own values and takes the rest from the new "
+        "shared ones (default: %(default)s, the shared values)",
+    )
     parser.add_argument("--eval_batches", type=int, default=8, help="validation batches of 8 blocks (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="write the rows here (rewritten after every row)")
@@ -103,8 +130,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for name in ("peers", "local_steps", "rounds", "per_device_batch_size", "gradient_accumulation_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if not 0.0 <= args.fragment_mix < 1.0:
+        parser.error(f"--fragment_mix must be in [0, 1), got {args.fragment_mix}; e.g. 0.5")
     try:
         collaboration(args, "sparse")  # the trainer's own checks of the outer and sparse settings
+        FragmentSchedule(args.local_steps, args.fragments, args.fragment_overlap)
     except ValueError as e:
         parser.error(str(e))
     return args
@@ -142,6 +172,113 @@ def inner_schedule(args: argparse.Namespace):
     )
 
 
+@dataclass(frozen=True)
+class FragmentSchedule:
+    """Streaming DiLoCo's staggered outer syncs (issue 28, req. 3): the flat shared parameters split into
+    ``fragments`` equal ranges; fragment p's pseudo-gradient is sent at inner step ``send[p]`` of every round and its
+    average applied (the outer step, then the peers merge it) at step ``apply[p]``. Without overlap both are the end
+    of the fragment's share of the round, b_p = round((p + 1) H / P), and the peers wait for the transfer there;
+    with overlap it is sent at b_(p-1) (0 for the first) and applied one fragment-round later at b_p, while the
+    peers go on with their inner steps. Every fragment's last transfer of a round lands by its end, so the round's
+    validation loss sees all of them; the first fragment's first send (step 0 of the run) carries nothing."""
+
+    local_steps: int
+    fragments: int = 1
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.fragments <= self.local_steps:
+            raise ValueError(
+                f"--fragments must be between 1 and --local_steps ({self.local_steps}), got {self.fragments}"
+            )
+        if self.overlap and self.fragments < 2:
+            raise ValueError("--fragment_overlap needs --fragments 2 or more (one fragment would be sent as it lands)")
+
+    def boundary(self, index: int) -> int:
+        return round((index + 1) * self.local_steps / self.fragments) if index >= 0 else 0
+
+    @property
+    def apply(self) -> List[int]:
+        return [self.boundary(p) for p in range(self.fragments)]
+
+    @property
+    def send(self) -> List[int]:
+        return [self.boundary(p - 1) for p in range(self.fragments)] if self.overlap else self.apply
+
+    def ranges(self, total: int) -> List[range]:
+        edges = [round(p * total / self.fragments) for p in range(self.fragments + 1)]
+        return [range(edges[p], edges[p + 1]) for p in range(self.fragments)]
+
+
+@dataclass
+class Fragment:
+    """One range of the flat shared parameters with its own outer optimizer, the peers' error-feedback buffers for
+    it (sparse rows) and the averaged pseudo-gradient in flight."""
+
+    span: range
+    shared: torch.nn.Parameter
+    outer: torch.optim.Optimizer
+    feedback: List = field(default_factory=list)
+    in_flight: Optional[torch.Tensor] = None
+
+
+def build_fragments(args: argparse.Namespace, collab, shared_flat: torch.Tensor, schedule: FragmentSchedule):
+    from peer.swarm.optimizer import make_outer_sgd
+    from peer.swarm.sparse import ErrorFeedback, SparseCodec
+
+    fragments = []
+    for span in schedule.ranges(shared_flat.numel()):
+        values = torch.nn.Parameter(shared_flat[span.start : span.stop].clone())
+        fragment = Fragment(span, values, make_outer_sgd([values], collab))
+        if collab.outer_compression == "sparse":
+            codec = SparseCodec(
+                total=len(span), density=collab.sparse_density, bits=collab.sparse_bits, chunk=collab.sparse_chunk
+            )
+            fragment.feedback = [ErrorFeedback(codec, collab.sparse_feedback_decay) for _ in range(args.peers)]
+        fragments.append(fragment)
+    return fragments
+
+
+def send(fragment: Fragment, locals_flat: Sequence[torch.Tensor]) -> None:
+    """The peers' pseudo-gradients of this fragment (through each one's error feedback on sparse rows), averaged."""
+    contributions = []
+    for index, local in enumerate(locals_flat):
+        pseudo = fragment.shared.detach() - local[fragment.span.start : fragment.span.stop]
+        if fragment.feedback:
+            _, pseudo, residual = fragment.feedback[index].compress(pseudo)
+            fragment.feedback[index].commit(residual)
+        contributions.append(pseudo)
+    fragment.in_flight = torch.stack(contributions).mean(0)
+
+
+def land(fragment: Fragment, models: Sequence[torch.nn.Module], mix: float) -> None:
+    """The outer step with the averaged pseudo-gradient; each peer then takes (1 - mix) of the new shared values and
+    keeps ``mix`` of its own (Streaming DiLoCo's merge; 0: the shared values, as without fragments)."""
+    fragment.shared.grad = fragment.in_flight
+    fragment.outer.step()
+    fragment.in_flight = None
+    with torch.no_grad():
+        for model in models:
+            local = flat_view(model)
+            part = local[fragment.span.start : fragment.span.stop]
+            part.copy_(fragment.shared if mix == 0 else mix * part + (1 - mix) * fragment.shared)
+            unflatten_into(model, local)
+
+
+def flat_view(model: torch.nn.Module) -> torch.Tensor:
+    from peer.swarm.sparse import flatten
+
+    return flatten(list(model.parameters()))
+
+
+def unflatten_into(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(flat[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+
+
 def simulate(args: argparse.Namespace, name: str) -> SimRow:
     from aux_monitor.evaluation import evaluate
     from model import LeanGPTForCausalLM, load_config
@@ -152,14 +289,16 @@ def simulate(args: argparse.Namespace, name: str) -> SimRow:
         load_tokenizer,
         make_batches,
     )
-    from peer.swarm.optimizer import make_inner_optimizer, make_outer_sgd, set_inner_learning_rate
-    from peer.swarm.sparse import ErrorFeedback, SparseCodec, flatten
+    from peer.swarm.optimizer import make_inner_optimizer, set_inner_learning_rate
 
     collab, optim = collaboration(args, name), inner_schedule(args)
+    schedule = FragmentSchedule(args.local_steps, args.fragments, args.fragment_overlap)
     row = SimRow(name, dict(outer_learning_rate=collab.outer_learning_rate, outer_momentum=collab.outer_momentum))
     if name == "sparse":
         row.settings.update(density=collab.sparse_density, bits=collab.sparse_bits)
         row.settings.update(feedback_decay=collab.sparse_feedback_decay)
+    if schedule.fragments > 1:
+        row.settings.update(fragments=schedule.fragments, overlap=int(schedule.overlap), mix=args.fragment_mix)
     torch.manual_seed(args.seed)
     config = load_config(args.model_config)
     shared = LeanGPTForCausalLM(config)
@@ -173,40 +312,31 @@ def simulate(args: argparse.Namespace, name: str) -> SimRow:
         stream = build_train_dataset(data, tokenizer, peer_seed=1000 + index)
         batches = make_batches(stream, args.per_device_batch_size, args.max_sequence_length)
         peers.append((model, make_inner_optimizer(model, optim), batches))
-    outer = make_outer_sgd(list(shared.parameters()), collab)
-    total = sum(p.numel() for p in shared.parameters())
-    feedback = []
-    if name == "sparse":
-        codec = SparseCodec(
-            total=total, density=collab.sparse_density, bits=collab.sparse_bits, chunk=collab.sparse_chunk
-        )
-        feedback = [ErrorFeedback(codec, collab.sparse_feedback_decay) for _ in peers]
+    models = [model for model, _, _ in peers]
+    fragments = build_fragments(args, collab, flat_view(shared), schedule)
+    row.largest_send = max(
+        fragment.feedback[0].codec.payload_bytes if fragment.feedback else len(fragment.span) for fragment in fragments
+    )
     began = time.monotonic()
     for round_index in range(args.rounds):
-        contributions = []
-        for index, (model, inner, batches) in enumerate(peers):
-            set_inner_learning_rate(inner, round_index, optim)
-            for _ in range(args.local_steps):
+        for step in range(args.local_steps + 1):
+            # step t: the transfers due after t inner steps of the round, then the round's (t + 1)-th inner step
+            for fragment, at in zip(fragments, schedule.send):
+                if at == step:
+                    send(fragment, [flat_view(model) for model in models])
+            for fragment, at in zip(fragments, schedule.apply):
+                if at == step and fragment.in_flight is not None:
+                    land(fragment, models, args.fragment_mix)
+            if step == args.local_steps:
+                break
+            for model, inner, batches in peers:
+                set_inner_learning_rate(inner, round_index, optim)
                 inner.zero_grad()
                 for _ in range(args.gradient_accumulation_steps):
                     tokens = next(batches)["input_ids"]
                     (model(input_ids=tokens, labels=tokens).loss / args.gradient_accumulation_steps).backward()
                 inner.step()
-            pseudo = flatten([s.detach() - p.detach() for s, p in zip(shared.parameters(), model.parameters())])
-            if feedback:
-                _, pseudo, residual = feedback[index].compress(pseudo)
-                feedback[index].commit(residual)
-            contributions.append(pseudo)
-        average = torch.stack(contributions).mean(0)
-        offset = 0
-        for param in shared.parameters():
-            param.grad = average[offset : offset + param.numel()].view_as(param).clone()
-            offset += param.numel()
-        outer.step()
-        with torch.no_grad():
-            for model, _, _ in peers:
-                for param, value in zip(model.parameters(), shared.parameters()):
-                    param.copy_(value)
+        unflatten_into(shared, torch.cat([fragment.shared.detach() for fragment in fragments]))
         loss = evaluate(shared, validation, epoch=round_index, batch_size=8, max_batches=args.eval_batches).loss
         row.losses.append(loss)
         logger.info(
@@ -237,8 +367,10 @@ def loss_table(rows: Sequence[SimRow], samples_per_round: int) -> str:
                 gap = f" ({100 * (row.losses[index] / dense.losses[index] - 1):+.1f} %)"
             cells.append(f"{row.losses[index]:.3f}{gap}")
         settings = ", ".join(f"{key} {value:g}" for key, value in row.settings.items())
-        lines.append([row.name, settings, *cells])
-    header = ["row", "outer settings", *(f"@ {samples_per_round * (i + 1)}" for i in range(rounds))]
+        send = "—" if row.largest_send is None else f"{row.largest_send / 1e3:.0f}"
+        lines.append([row.name, settings, send, *cells])
+    header = ["row", "outer settings", "largest send (KB)"]
+    header += [f"@ {samples_per_round * (i + 1)}" for i in range(rounds)]
     return markdown_table(header, lines)
 
 

@@ -181,7 +181,13 @@ def test_a_sync_peer_that_missed_a_round_takes_the_swarm_state(tmp_path, swarm):
         for e in peer.events.all("state_loaded")
         if e["source"] == "swarm" and e["reason"] == "missed_round"
     ]
-    assert resyncs, "no peer re-synced after the broken round"
+    decisions = [
+        f"{peer.name}: {line}"
+        for peer in (first, second)
+        for line in peer.log().splitlines()
+        if "Missed the all-reduce" in line or "re-syncing" in line or "No peer gave" in line
+    ]
+    assert resyncs, ("no peer re-synced after the broken round", decisions)
     differences = round_param_differences(tmp_path, ["a", "b"])
     # a re-sync brings the two together: within the two epochs after one of them (a round missed right after a
     # re-sync is not repaired for RESYNC_EVERY_EPOCHS)
