@@ -319,6 +319,8 @@ def simulate(args: argparse.Namespace, name: str) -> SimRow:
     )
     began = time.monotonic()
     for round_index in range(args.rounds):
+        for _, inner, _ in peers:
+            set_inner_learning_rate(inner, round_index, optim)
         for step in range(args.local_steps + 1):
             # step t: the transfers due after t inner steps of the round, then the round's (t + 1)-th inner step
             for fragment, at in zip(fragments, schedule.send):
@@ -330,7 +332,6 @@ def simulate(args: argparse.Namespace, name: str) -> SimRow:
             if step == args.local_steps:
                 break
             for model, inner, batches in peers:
-                set_inner_learning_rate(inner, round_index, optim)
                 inner.zero_grad()
                 for _ in range(args.gradient_accumulation_steps):
                     tokens = next(batches)["input_ids"]

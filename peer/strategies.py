@@ -160,11 +160,10 @@ class SyncTraining:
                     self._epoch_seconds,
                 )
                 return
-        self._last_resync = epoch
-        if download is not None and self._epoch_seconds is not None:
             logger.info(
                 "The last state download took %.1f s, an epoch %.1f s: re-syncing", download, self._epoch_seconds
             )
+        self._last_resync = epoch
         resync_after_missed_round(self.optimizer, self.watchdog)
 
     def _time_epoch(self) -> None:
