@@ -38,11 +38,12 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.report import markdown_table, path_list
+from benchmarks.report import markdown_table
 from benchmarks.swarm_lib import (
     BREAKDOWN,
     LINKS,
     MODES,
+    SPARSE_ROUNDS,
     Row,
     RunSettings,
     final_params,
@@ -54,6 +55,7 @@ from benchmarks.swarm_lib import (
     validation_loss,
     wire_bytes_of,
 )
+from peer.swarm.config import CollaborationArguments
 
 logger = logging.getLogger("benchmarks.swarm")
 
@@ -133,10 +135,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--from_json", type=Path, help="run nothing: print the table (and plot) of saved --json rows")
     parser.add_argument(
         "--from_record",
-        type=path_list,
+        type=record_list,
         default=[],
         help="run nothing: comma-separated recorded runs (benchmarks/measured/*.json) whose rows come first, read "
-        "back from their tables (with --from_json: a new row next to recorded ones, e.g. in one --pareto)",
+        "back from their tables (with --from_json: a new row next to recorded ones, e.g. in one --pareto); "
+        "PATH@DENSITY gives the top-k density its local sparse rows ran at, which the figure labels "
+        "(e.g. swarm_bench_model.json@0.02)",
     )
     parser.add_argument(
         "--measure_from",
@@ -409,8 +413,10 @@ def write_pareto(rows: Sequence[Row], path: Path) -> None:
         sparse = row.mode.startswith("local_sparse")
         kind = "sync" if not row.mode.startswith("local") else ("local sparse" if sparse else "local dense")
         marker = {"sync": "o", "local dense": "s", "local sparse": "^"}[kind]
-        ax.scatter(row.bytes_per_sample, loss, marker=marker, s=60, label=f"{row.link}/{row.mode}{note}")
         label = row.mode if not math.isfinite(row.local_steps) else f"{row.mode} H={row.local_steps:.0f}"
+        if math.isfinite(row.sparse_density):
+            label += f", {100 * row.sparse_density:g} %"
+        ax.scatter(row.bytes_per_sample, loss, marker=marker, s=60, label=f"{row.link}/{label}{note}")
         ax.annotate(label, (row.bytes_per_sample, loss), fontsize=7, xytext=(4, 4), textcoords="offset points")
     syncs = [r for r in points if r.mode == "sync"]
     for sync in syncs:
@@ -442,17 +448,40 @@ def _recorded_number(value) -> float:
     return float(value) if isinstance(value, (int, float)) else math.nan
 
 
-def rows_from_record(path: Path) -> List[Row]:
+def record_list(text: str) -> List[Tuple[Path, float]]:
+    """An argparse type: comma-separated recorded runs, each ``PATH`` or ``PATH@DENSITY`` (its sparse rows' top-k
+    density, a fraction in (0, 1]; NaN when not given)."""
+    records = []
+    for part in filter(None, text.split(",")):
+        path, _, density = part.rpartition("@") if "@" in part else (part, "", "")
+        try:
+            value = float(density) if density else math.nan
+        except ValueError:
+            value = -1.0
+        if density and not 0.0 < value <= 1.0:
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: the density after '@' must be a fraction in (0, 1], e.g. {path}@0.05 for 5 %"
+            )
+        records.append((Path(path), value))
+    return records
+
+
+def rows_from_record(path: Path, sparse_density: float = math.nan) -> List[Row]:
     """The rows of a recorded run (``benchmarks/measured/*.json``: its ``main`` table, and ``curve`` and ``uplink``
     where recorded), read back at the precision the tables print, so that a figure can hold rows whose ``--json``
-    is gone next to new ones. Validation points carry the samples trained by then to 0.1k, as the curve table."""
+    is gone next to new ones. Validation points carry the samples trained by then to 0.1k, as the curve table.
+    ``sparse_density``: the density its local sparse rows ran at (the tables do not say)."""
     try:
-        return _rows_of_tables(json.loads(path.read_text())["tables"])
+        rows = _rows_of_tables(json.loads(path.read_text())["tables"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(
             f"{path} is not a recorded run of this benchmark ({type(e).__name__}: {e}): give a "
             "benchmarks/measured/swarm_*.json whose 'main' table benchmarks.docs --record stored"
         ) from e
+    for row in rows:
+        if row.mode in SPARSE_ROUNDS:
+            row.sparse_density = sparse_density
+    return rows
 
 
 def _rows_of_tables(tables: dict) -> List[Row]:
@@ -517,6 +546,8 @@ def run_matrix(args: argparse.Namespace, folder: Path) -> List[Row]:
         logger.info("Running %s on %s (%s)", mode, link, run_folder)
         row = Row(link=link, mode=mode, peers=1 if mode == "solo" else settings.peers)
         row.round_samples, row.local_steps = settings.round_size(mode), settings.local_steps(mode)
+        if mode in SPARSE_ROUNDS:
+            row.sparse_density = CollaborationArguments.sparse_density
         try:
             peers, sampler, started = run_swarm(
                 run_folder,
@@ -588,7 +619,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.from_json or args.from_record:
         try:
-            rows = [row for path in args.from_record for row in rows_from_record(path)]
+            rows = [row for path, density in args.from_record for row in rows_from_record(path, density)]
             rows += rows_from_json(args.from_json) if args.from_json else []
         except (OSError, ValueError) as e:
             logger.error("%s", e)

@@ -84,7 +84,8 @@ for _name in LOCAL_ROUNDS:
     # the shared parameters are averaged every 8 rounds only: the pseudo-gradient all-reduce keeps peers together
     MODES[_name] = ["--sync_mode", "local", "--average_state_every", "8"]
 SPARSE_ROUNDS: Dict[str, int] = {f"local_sparse_x{k}": k for k in (1, 2, 4, 8, 16, 32)}
-"""--sync_mode local --outer_compression sparse (top-k 2 %, 2-bit values, error feedback; peer/swarm/sparse.py),
+"""--sync_mode local --outer_compression sparse (top-k at the trainer's --sparse_density, 2-bit values, error feedback;
+peer/swarm/sparse.py),
 the same round sizes. Every peer applies the same all-gathered average, so the shared parameters are never averaged
 (--average_state_every beyond the run: it would send 8-bit parameters, more than all sparse rounds together)."""
 LOCAL_ROUNDS.update(SPARSE_ROUNDS)
@@ -264,6 +265,9 @@ class Row:
     """Epochs of the window that some peer ended counting fewer peers than the swarm has (it did not average)."""
     clients: int = 0
     """Peers that ran as clients of the swarm (their ``reachability`` event): every row compares full peers."""
+    sparse_density: float = math.nan
+    """A local sparse row's top-k density: the trainer's default when it ran (the mode names no density, and the
+    default has changed, 2 % to 5 %), so a recorded row's is given with ``--from_record PATH@DENSITY``."""
     error: Optional[str] = None
 
     @property

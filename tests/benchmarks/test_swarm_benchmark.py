@@ -199,6 +199,35 @@ def test_a_recorded_run_is_read_back_into_the_rows_its_tables_print(tmp_path):
         rows_from_record(tmp_path / "other.json")
 
 
+def test_a_recorded_runs_sparse_density_labels_its_sparse_rows_in_the_figure(tmp_path, capsys):
+    """The mode names no density and the trainer's default changed (2 % to 5 %): PATH@DENSITY says which a recorded
+    run's sparse rows ran at, so that the frontier tells 2 % and 5 % rows of one mode apart."""
+    from benchmarks.docs import parse_markdown_tables
+    from benchmarks.swarm import write_pareto
+
+    sync = Row(link="home_asym", mode="sync", peers=2, round_samples=256, bytes_per_sample=8e5, validation_loss=6.8)
+    dense = Row(link="home_asym", mode="local_x4", peers=2, round_samples=1024, local_steps=16.0)
+    sparse = Row(link="home_asym", mode="local_sparse_x8", peers=2, round_samples=2048, local_steps=32.0)
+    for row, kb in ((dense, 140.8), (sparse, 3.2)):
+        row.bytes_per_sample, row.validation_loss = 1e3 * kb, 6.5
+    tables = dict(main=parse_markdown_tables(table([sync, dense, sparse]))[0])
+    (tmp_path / "run.json").write_text(json.dumps(dict(command="c", date="2026-12-07", tables=tables)))
+    args = parse_args(["--from_record", f"{tmp_path / 'run.json'}@0.02,{tmp_path / 'run.json'}"])
+    assert args.from_record == [
+        (tmp_path / "run.json", 0.02),
+        (tmp_path / "run.json", pytest.approx(math.nan, nan_ok=True)),
+    ]
+    two, unlabelled = (rows_from_record(path, density) for path, density in args.from_record)
+    assert [r.sparse_density for r in two][2] == 0.02
+    assert all(math.isnan(r.sparse_density) for r in two[:2] + unlabelled)  # sync and dense rows have no density
+    write_pareto(two, tmp_path / "pareto.png")
+    assert (tmp_path / "pareto.png").stat().st_size > 0
+    for bad in ("0", "1.5", "five"):
+        with pytest.raises(SystemExit):
+            parse_args(["--from_record", f"run.json@{bad}"])
+        assert "must be a fraction in (0, 1], e.g. run.json@0.05" in capsys.readouterr().err
+
+
 def test_saved_parameters_are_evaluated(tmp_path):
     import torch
 
