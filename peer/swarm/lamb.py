@@ -37,6 +37,10 @@ class CPULamb8Bit(torch.optim.Optimizer):
 
     State is created eagerly at construction, so ``state_dict()`` always has the same structure: hivemind
     relies on that to ship optimizer state to joining peers (and then skips its zero-gradient warm-up step).
+
+    The state sits on each parameter's device: the host for the CPU copies hivemind.Optimizer hands it (sync mode),
+    a GPU for the model's own parameters there (the inner optimizer of --sync_mode local, which steps after every
+    local step: on the host that would cost about 40 ns per parameter each time, more than a GPU's compute).
     """
 
     def __init__(
@@ -83,8 +87,8 @@ class CPULamb8Bit(torch.optim.Optimizer):
                 state[f"{name}_q"], state[f"{name}_absmax"] = self._quantize(
                     torch.zeros_like(param, dtype=torch.float32),
                     signed=name == "exp_avg",
-                    out=torch.empty(param.shape, dtype=torch.uint8),
-                    absmax=torch.empty(blocks, dtype=torch.float32),
+                    out=torch.empty(param.shape, dtype=torch.uint8, device=param.device),
+                    absmax=torch.empty(blocks, dtype=torch.float32, device=param.device),
                 )
         else:
             state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
@@ -106,7 +110,7 @@ class CPULamb8Bit(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        # torch casts every state tensor to the parameter's dtype; the 8-bit codes must stay uint8
+        # torch casts every state tensor to the parameter's device and dtype; the 8-bit codes must stay uint8
         for state in self.state.values():
             for key in _QUANTIZED_KEYS:
                 if key in state and state[key].dtype != torch.uint8:

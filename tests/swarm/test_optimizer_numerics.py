@@ -122,3 +122,22 @@ def test_adaptive_compression_round_trips(numel, codec, bound):
     restored = deserialize_torch_tensor(serialized)
     assert restored.shape == tensor.shape and torch.isfinite(restored).all()
     assert float((restored - tensor).abs().mean() / tensor.abs().mean()) <= bound
+
+
+def test_the_state_survives_a_load_on_the_parameters_device_with_uint8_codes():
+    """torch's load_state_dict casts the state to each parameter's device and dtype: the codes stay uint8, the state
+    on the parameters' device (the host here; a GPU model's inner optimizer in local mode: test_gpu.py)."""
+    params = [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(16))]
+    opt = CPULamb8Bit(params, lr=0.01, min_8bit_size=1024)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    opt.step()
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    other = CPULamb8Bit(copies, lr=0.01, min_8bit_size=1024)
+    other.load_state_dict(opt.state_dict())
+    states = [other.state[p] for p in copies]
+    assert states[0]["exp_avg_q"].dtype == torch.uint8 and states[1]["exp_avg"].dtype == torch.float32
+    for param, state in zip(copies, states):
+        assert all(v.device == param.device for v in state.values() if torch.is_tensor(v))
+    for ours, theirs in zip((opt.state[p] for p in params), states):
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours if torch.is_tensor(ours[k]))

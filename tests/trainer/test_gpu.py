@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.testbed.trainers import epoch_losses, final_params, start_trainer
+from benchmarks.testbed.trainers import LOCAL_MODE, epoch_losses, final_params, start_trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -17,13 +17,15 @@ PRECISION_FLAGS = {
     "fp16": ["--precision", "fp16"],
     "bf16": ["--precision", "bf16"],
     "fp16_per_block": ["--precision", "fp16", "--per_block_grad_scaling", "--grad_scale_growth_interval", "2"],
+    # the home presets' mode: the inner 8-bit LAMB steps the model's own parameters, its state on the GPU beside them
+    "bf16_local_sparse": ["--precision", "bf16", *LOCAL_MODE, "--outer_compression", "sparse"],
 }
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision", list(PRECISION_FLAGS))
 def test_training_on_cuda(tmp_path, precision):
-    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+    if precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
     peer = start_trainer(
         tmp_path,
