@@ -406,7 +406,7 @@ def write_pareto(rows: Sequence[Row], path: Path) -> None:
         points = row.validation_points()
         return (points[-1][1], f" (cut at {points[-1][0] / 1e3:.1f}k samples)") if points else (math.nan, "")
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
     points = [r for r in rows if r.mode != "solo" and r.bytes_per_sample > 0 and math.isfinite(final_loss(r)[0])]
     for row in points:
         loss, note = final_loss(row)
@@ -429,7 +429,7 @@ def write_pareto(rows: Sequence[Row], path: Path) -> None:
         title="communication frontier (lower left is better)",
     )
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: off the points' labels
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
