@@ -408,7 +408,8 @@ def write_pareto(rows: Sequence[Row], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(11, 5.5))
     points = [r for r in rows if r.mode != "solo" and r.bytes_per_sample > 0 and math.isfinite(final_loss(r)[0])]
-    for row in points:
+    colors = plt.get_cmap("tab20").colors  # a color per row: the default cycle repeats after 10
+    for index, row in enumerate(points):
         loss, note = final_loss(row)
         sparse = row.mode.startswith("local_sparse")
         kind = "sync" if not row.mode.startswith("local") else ("local sparse" if sparse else "local dense")
@@ -416,8 +417,17 @@ def write_pareto(rows: Sequence[Row], path: Path) -> None:
         label = row.mode if not math.isfinite(row.local_steps) else f"{row.mode} H={row.local_steps:.0f}"
         if math.isfinite(row.sparse_density):
             label += f", {100 * row.sparse_density:g} %"
-        ax.scatter(row.bytes_per_sample, loss, marker=marker, s=60, label=f"{row.link}/{label}{note}")
-        ax.annotate(label, (row.bytes_per_sample, loss), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.scatter(
+            row.bytes_per_sample,
+            loss,
+            marker=marker,
+            s=60,
+            color=colors[index % len(colors)],
+            label=f"{row.link}/{label}{note}",
+        )
+        # every other label below its point: neighbours of similar bytes and loss do not print over each other
+        offset = (4, 4) if index % 2 == 0 else (4, -10)
+        ax.annotate(label, (row.bytes_per_sample, loss), fontsize=7, xytext=offset, textcoords="offset points")
     syncs = [r for r in points if r.mode == "sync"]
     for sync in syncs:
         ax.axhline(final_loss(sync)[0] * 1.03, color="tab:red", lw=0.8, ls="--", label="sync val loss + 3 %")
