@@ -467,7 +467,7 @@ def record_list(text: str) -> List[Tuple[Path, float]]:
         try:
             value = float(density) if density else math.nan
         except ValueError:
-            value = -1.0
+            value = math.nan  # refused below, with the fraction it must be
         if density and not 0.0 < value <= 1.0:
             raise argparse.ArgumentTypeError(
                 f"{part!r}: the density after '@' must be a fraction in (0, 1], e.g. {path}@0.05 for 5 %"
